@@ -1,0 +1,1 @@
+"""flx: federated learning on PyTorch Lightning."""

@@ -1,0 +1,138 @@
+"""Early config validation: a wrong value stops with one line naming the key, the value and what is allowed.
+
+Two stages: :func:`precheck` composes the command line with Hydra's compose API before the run starts
+(unknown group options, unknown keys, unparsable overrides), and :func:`validate` checks values of the
+composed config. Loaders and partitioners check what only they can (files on disk, sample counts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from flx.errors import ConfigError, bad_value
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
+STRATEGIES = ("auto", "ddp", "flx_ddp")
+
+
+def group_options(group: str, config_dir: str = CONFIG_DIR) -> list[str]:
+    """The options of a config group (yaml files of ``configs/<group>/``)."""
+    folder = os.path.join(config_dir, group)
+    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
+
+
+def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
+    for ov in overrides:
+        key, sep, value = ov.lstrip("+~").partition("=")
+        if sep and "." not in key and os.path.isdir(os.path.join(config_dir, key)) and value not in ("null", ""):
+            allowed = group_options(key, config_dir)
+            if value not in allowed:
+                raise bad_value(key, value, f"unknown option; allowed: {', '.join(allowed)}")
+
+
+def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig:
+    """Composes ``overrides`` the way ``train.py`` will; raises :class:`ConfigError` with one line if it fails."""
+    from hydra import compose, initialize_config_dir
+
+    user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra", "~hydra"))]
+    _check_groups(user, config_dir)
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            return compose(config_name, overrides=user)
+    except Exception as e:  # Hydra's exceptions carry multi-line messages; keep the first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"bad command line: {first}") from None
+
+
+def _num(cfg: DictConfig, key: str) -> Any:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_value(key, value, "must be a number")
+    return value
+
+
+def _int(cfg: DictConfig, key: str, low: int) -> int:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise bad_value(key, value, f"must be an integer >= {low}")
+    return value
+
+
+def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -> None:
+    value = _num(cfg, key)
+    if not ok(value):
+        raise bad_value(key, value, allowed)
+
+
+def _check_algo(cfg: DictConfig) -> None:
+    for key in ("algo.rounds", "algo.clients_per_round", "algo.local_steps", "algo.batch_size", "partition.num_clients"):
+        _int(cfg, key, 1)
+    if cfg.algo.get("local_epochs") is not None:
+        _int(cfg, "algo.local_epochs", 1)
+    _check(cfg, "algo.lr", lambda v: v > 0, "must be > 0")
+    _check(cfg, "algo.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    _check(cfg, "algo.weight_decay", lambda v: v >= 0, "must be >= 0")
+    _check(cfg, "algo.server.lr", lambda v: v > 0, "must be > 0")
+    _check(cfg, "algo.server.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    if cfg.algo.weighting not in ("num_samples", "uniform"):
+        raise bad_value("algo.weighting", cfg.algo.weighting, "allowed: num_samples, uniform")
+    if cfg.algo.server.name not in ("sgd", "adam"):
+        raise bad_value("algo.server.name", cfg.algo.server.name, "allowed: sgd, adam")
+    if cfg.algo.clients_per_round > cfg.partition.num_clients:
+        raise bad_value(
+            "algo.clients_per_round",
+            cfg.algo.clients_per_round,
+            f"must be <= partition.num_clients ({cfg.partition.num_clients})",
+        )
+
+
+def _world_size(cfg: DictConfig) -> int:
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    if isinstance(devices, int) and devices > 0:
+        return devices * nodes
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        return len(devices) * nodes
+    return nodes  # "auto" / -1: not known before the Trainer resolves it; checked again at round start
+
+
+def _check_trainer(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    if str(t.get("precision", "32-true")) not in PRECISIONS:
+        raise bad_value("trainer.precision", t.precision, f"allowed: {', '.join(PRECISIONS)}")
+    strategy = t.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy not in STRATEGIES:
+        raise bad_value("trainer.strategy", strategy, f"allowed: {', '.join(STRATEGIES)}")
+    world = _world_size(cfg)
+    if world > 1 and strategy == "auto":
+        raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")
+    if cfg.algo.clients_per_round < world:
+        raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, f"must be >= the world size ({world})")
+
+
+def _check_ckpt(cfg: DictConfig) -> None:
+    path = cfg.get("ckpt_path")
+    if path is None:
+        return
+    if not os.path.isfile(str(path)):
+        raise bad_value("ckpt_path", path, "file not found")
+    try:
+        ckpt = torch.load(str(path), map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise bad_value("ckpt_path", path, f"not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "flx" not in ckpt:
+        raise bad_value("ckpt_path", path, "not a flx Lightning checkpoint (no 'state_dict'/'flx' entries)")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks value ranges and cross-key constraints; raises :class:`ConfigError` with one line."""
+    _int(cfg, "seed", 0)
+    _int(cfg, "eval_every", 1)
+    _check_algo(cfg)
+    _check_trainer(cfg)
+    _check_ckpt(cfg)

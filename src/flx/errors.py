@@ -1,0 +1,19 @@
+"""The one exception type that reaches the user as a single line.
+
+Anything the user can get wrong (a config value, a missing dataset, a bad checkpoint) raises
+:class:`ConfigError` with a message that names the key, the value and what is allowed.
+``train.py`` prints it as one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user-facing error: one line, what key, what value, what is allowed."""
+
+
+def bad_value(key: str, value: Any, allowed: str) -> ConfigError:
+    """Builds the standard message ``key=value: allowed``."""
+    return ConfigError(f"{key}={value!r}: {allowed}")

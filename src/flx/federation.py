@@ -1,0 +1,320 @@
+"""The round protocol: sample -> shard over ranks -> local train -> one reduce -> server step.
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data", AISTATS 2017
+(FedAvg, Algorithm 1), with the server step of Reddi et al. (ICLR 2021) and the parts of
+:mod:`flx.callbacks`.
+
+.. math::
+    w_i^{t,k+1} = w_i^{t,k} - \\eta\\, \\nabla \\ell_i(w_i^{t,k}; \\xi_i^{t,k}),\\quad k = 0..K-1,
+    \\qquad \\bar w^{t} = \\frac{\\sum_{i \\in P_t} p_i w_i^{t,K}}{\\sum_{i \\in P_t} p_i}
+
+Every rank holds ONE model instance (the LightningModule's net). For each of its clients it copies the
+global weights in place, runs the local steps and adds the weighted result to a preallocated buffer;
+one all-reduce per round sums the buffers; the server step then runs identically on every rank.
+Randomness is derived from ``(seed, round)`` for sampling and ``(seed, round, client)`` for a client, so
+a run gives the same model on 1 process or on N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from flx.aggregation import ReduceFn, WeightedMean
+from flx.callbacks.base import HOOKS, FederatedCallback, overrides
+from flx.server import ServerOptConfig, ServerOptimizer
+from flx.state import ClientStateStore, ServerState
+
+_SAMPLE_TAG = 0x5A  # distinguishes the cohort stream from client streams in the seed sequence
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """Round-protocol hyper-parameters (``algo.*``).
+
+    Attributes:
+        rounds: communication rounds ``T``.
+        clients_per_round: cohort size ``m``.
+        local_steps: local minibatch steps ``K`` (ignored when ``local_epochs`` is set).
+        local_epochs: if set, ``K = local_epochs * ceil(n_i / batch_size)`` per client.
+        lr: local step size ``eta``.
+        batch_size: local minibatch size ``B``.
+        momentum: local SGD momentum (reset for every client).
+        weight_decay: local L2 weight decay.
+        weighting: aggregation weight ``p_i``: ``num_samples`` (FedAvg, ``n_i``) or ``uniform``.
+        seed: the run seed.
+        server: server optimizer parameters.
+    """
+
+    rounds: int = 50
+    clients_per_round: int = 10
+    local_steps: int = 10
+    local_epochs: int | None = None
+    lr: float = 0.05
+    batch_size: int = 32
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    weighting: str = "num_samples"
+    seed: int = 0
+    server: ServerOptConfig = field(default_factory=ServerOptConfig)
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """Read-only facts about the current round, handed to parts."""
+
+    round: int
+    cohort: tuple[int, ...]  # unique client ids, sorted
+    multiplicity: tuple[int, ...]  # times each cohort id was drawn
+    shard: tuple[int, ...]  # the ids this rank trains
+    rank: int
+    world_size: int
+
+
+@dataclass
+class ClientContext:
+    """One client's local-training scope. Parts read it and may set ``weight``, ``state`` and ``extras``."""
+
+    cid: int
+    round: RoundContext
+    num_samples: int
+    num_steps: int
+    weight: float
+    generator: torch.Generator
+    state: dict[str, Tensor]
+    step: int = 0
+    batch: tuple[Tensor, Tensor] | None = None
+    outputs: Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class ClientData:
+    """What the federation needs from the data: one tensor store and per-client index views."""
+
+    x: Tensor
+    y: Tensor
+    client_indices: list[Tensor]
+
+
+def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
+    """In-place list copy (``_foreach_copy_`` rejects empty lists, e.g. a net without buffers)."""
+    if dst:
+        torch._foreach_copy_(dst, list(src))
+
+
+def derive_seed(*words: int) -> int:
+    """A 63-bit seed from integer words (``numpy.random.SeedSequence``): independent streams per tuple."""
+    return int(np.random.SeedSequence([int(w) for w in words]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
+
+
+def uniform_cohort(num_clients: int, m: int, rng: np.random.Generator) -> list[int]:
+    """``m`` distinct clients, uniformly without replacement."""
+    return rng.choice(num_clients, size=m, replace=False).tolist()
+
+
+def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Longest-processing-time greedy split of clients over ranks by sample count (deterministic)."""
+    loads, shards = [0] * world_size, [[] for _ in range(world_size)]
+    for size, cid in sorted(zip(sizes, cids), key=lambda t: (-t[0], t[1])):
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        shards[r].append(cid)
+        loads[r] += size
+    return [sorted(s) for s in shards]
+
+
+def local_batches(indices: Tensor, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[Tensor]:
+    """``steps`` minibatches of the client's indices, reshuffled each time the client's data is exhausted."""
+    done, n = 0, len(indices)
+    while done < steps:
+        for batch in indices[torch.randperm(n, generator=gen)].split(batch_size):
+            if done == steps:
+                return
+            done += 1
+            yield batch
+
+
+class Federation:
+    """Runs rounds on one rank. Built from config, attached to the module's net and data at setup.
+
+    Args:
+        cfg: the round-protocol hyper-parameters.
+        store: per-client persistent state (created in memory when omitted).
+    """
+
+    def __init__(self, cfg: FederationConfig, store: ClientStateStore | None = None) -> None:
+        self.cfg = cfg
+        self.store = store or ClientStateStore()
+        self.server = ServerState()
+        self.parts: list[FederatedCallback] = []
+        self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}
+        self.rnd: RoundContext | None = None
+
+    # ------------------------------------------------------------------ setup
+    def attach(
+        self,
+        net: nn.Module,
+        data: ClientData,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        parts: Sequence[FederatedCallback] = (),
+        reduce_sum: ReduceFn | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        step_context: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
+        """Binds the federation to the (single, reused) net, the data and the process group."""
+        self.net, self.data, self.loss_fn = net, data, loss_fn
+        self.reduce_sum, self.rank, self.world_size, self.step_context = reduce_sum, rank, world_size, step_context
+        self.set_parts(parts)
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        buffers = [b for b in net.buffers()]
+        self.float_buffers = [b for b in buffers if b.is_floating_point()]
+        self.other_buffers = [b for b in buffers if not b.is_floating_point()]
+        self.global_params = [p.detach().clone() for p in self.params]
+        self.global_other = [b.detach().clone() for b in self.other_buffers]
+        self.local_state = self.params + self.float_buffers  # what a client uploads
+        self.aggregator = WeightedMean(self.local_state)
+        self.server_opt = ServerOptimizer(self.global_params, self.cfg.server)
+        self.server_opt.load_state_dict(self.server.optimizer)
+        self.local_opt = torch.optim.SGD(
+            self.params, lr=self.cfg.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay
+        )
+        self._gen = torch.Generator()
+        self._global_floats = [b.detach().clone() for b in self.float_buffers]
+
+    def set_parts(self, parts: Sequence[FederatedCallback]) -> None:
+        self.parts = list(parts)
+        self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.data.client_indices)
+
+    def num_samples(self, cid: int) -> int:
+        return len(self.data.client_indices[cid])
+
+    # ------------------------------------------------------------------ server
+    def sample(self, round_idx: int) -> list[int]:
+        """The round's cohort (with repeats if a sampling part draws with replacement)."""
+        rng = np.random.default_rng(derive_seed(self.cfg.seed, round_idx, _SAMPLE_TAG))
+        for part in self._hooked["sample_clients"]:
+            cohort = part.sample_clients(self, round_idx, rng)
+            if cohort is not None:
+                return [int(c) for c in cohort]
+        return uniform_cohort(self.num_clients, self.cfg.clients_per_round, rng)
+
+    def begin_round(self, round_idx: int) -> RoundContext:
+        """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
+        ids, counts = np.unique(np.asarray(self.sample(round_idx), dtype=np.int64), return_counts=True)
+        cohort = tuple(int(c) for c in ids)
+        shards = shard_greedy(cohort, [self.num_samples(c) for c in cohort], self.world_size)
+        if any(not s for s in shards):
+            raise RuntimeError(f"round {round_idx}: cohort of {len(cohort)} clients leaves a rank without clients")
+        self.rnd = RoundContext(
+            round_idx, cohort, tuple(int(c) for c in counts), tuple(shards[self.rank]), self.rank, self.world_size
+        )
+        with torch.no_grad():
+            _copy(self.global_params, [p.detach() for p in self.params])
+            _copy(self._global_floats, [b.detach() for b in self.float_buffers])
+            _copy(self.global_other, [b.detach() for b in self.other_buffers])
+        self.aggregator.reset()
+        for part in self._hooked["on_round_start"]:
+            part.on_round_start(self, self.rnd)
+        return self.rnd
+
+    def end_round(self) -> None:
+        """One collective reduce, the parts' server hooks, the server optimizer step."""
+        self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
+        mean = self.aggregator.compute()
+        for part in self._hooked["on_server_step"]:
+            part.on_server_step(self, self.rnd, mean)
+        n = len(self.params)
+        self.server_opt.step(mean[:n])
+        with torch.no_grad():
+            _copy(self.params, self.global_params)
+            _copy(self.float_buffers, [m.to(b.dtype) for b, m in zip(self.float_buffers, mean[n:])])
+            _copy(self.other_buffers, self.global_other)
+        self.server.round = self.rnd.round + 1
+        for part in self._hooked["on_round_end"]:
+            part.on_round_end(self, self.rnd)
+
+    # ------------------------------------------------------------------ client
+    def client_steps(self, cid: int) -> int:
+        if self.cfg.local_epochs is None:
+            return self.cfg.local_steps
+        return self.cfg.local_epochs * -(-self.num_samples(cid) // self.cfg.batch_size)
+
+    def make_client(self, cid: int) -> ClientContext:
+        n = self.num_samples(cid)
+        mult = self.rnd.multiplicity[self.rnd.cohort.index(cid)]
+        weight = (n if self.cfg.weighting == "num_samples" else 1.0) * mult
+        seed = derive_seed(self.cfg.seed, self.rnd.round, cid)
+        torch.manual_seed(seed)  # dropout & co. depend only on (seed, round, client)
+        self._gen.manual_seed(seed)
+        state = self.store.get(cid, self.params[0].device) if cid in self.store else {}
+        return ClientContext(cid, self.rnd, n, self.client_steps(cid), float(weight), self._gen, state)
+
+    @torch.no_grad()
+    def load_global(self) -> None:
+        """Copies the round's global model into the net (in place, no allocation)."""
+        _copy(self.params, self.global_params)
+        _copy(self.float_buffers, self._global_floats)
+        _copy(self.other_buffers, self.global_other)
+
+    def train_client(self, cid: int) -> Tensor:
+        """Local training of one client; adds its weighted model to the round's aggregate.
+
+        Returns:
+            The mean local training loss (detached scalar).
+        """
+        client = self.make_client(cid)
+        self.load_global()
+        self.net.train()
+        for part in self._hooked["on_client_start"]:
+            part.on_client_start(self, client)
+        total = self._local_steps(client)
+        for part in self._hooked["on_client_end"]:
+            part.on_client_end(self, client)
+        self.aggregator.update(self.local_state, client.weight)
+        if client.state:
+            self.store.put(cid, client.state)
+        return total / max(client.num_steps, 1)
+
+    def _local_steps(self, client: ClientContext) -> Tensor:
+        x, y, opt = self.data.x, self.data.y, self.local_opt
+        opt.state.clear()  # a fresh local optimizer per client
+        total = torch.zeros((), device=self.params[0].device)
+        idx = self.data.client_indices[client.cid]
+        with self.step_context():
+            for k, batch in enumerate(local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator)):
+                client.step, client.batch = k, (x[batch], y[batch])
+                opt.zero_grad(set_to_none=True)
+                client.outputs = self.net(client.batch[0])
+                loss = self.loss_fn(client.outputs, client.batch[1])
+                for part in self._hooked["local_loss"]:
+                    loss = part.local_loss(self, client, loss)
+                loss.backward()
+                for part in self._hooked["on_local_grad"]:
+                    part.on_local_grad(self, client)
+                opt.step()
+                for part in self._hooked["on_local_step_end"]:
+                    part.on_local_step_end(self, client)
+                total += loss.detach()
+        client.batch = client.outputs = None
+        return total
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.server.round, "server_opt": self.server_opt.state_dict(), "store": self.store.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server.round = int(state["round"])
+        self.server.optimizer = state["server_opt"]
+        self.store.load_state_dict(state["store"])
+        if hasattr(self, "server_opt"):
+            self.server_opt.load_state_dict(self.server.optimizer)

@@ -1,0 +1,126 @@
+"""``FederatedModule``: the LightningModule of a federated classification run.
+
+It owns the single reused net and the :class:`~flx.federation.Federation`. ``training_step`` receives a
+client id (one "batch" = one client) and trains that client; evaluation of the global model runs in
+Lightning's validation/test loops. Metric keys: ``val/acc``, ``val/loss``, ``val/client_acc_{mean,worst,std}``,
+``test/*`` likewise, round-level keys under ``fl/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import WandbLogger
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from flx.callbacks.base import FederatedCallback
+from flx.federation import Federation
+from flx.metrics.client_summary import PerClientAccuracy, summarize
+
+
+class FederatedModule(pl.LightningModule):
+    """Classification task wrapper.
+
+    Args:
+        net: the model (maps ``(B, *input_shape)`` to logits ``(B, C)``).
+        federation: the round protocol.
+        num_classes: number of classes ``C``.
+        num_clients: number of clients (for per-client metrics).
+    """
+
+    def __init__(self, net: nn.Module, federation: Federation, num_classes: int, num_clients: int) -> None:
+        super().__init__()
+        self.net, self.federation = net, federation
+        self.automatic_optimization = False
+        self.acc = nn.ModuleDict({s: MulticlassAccuracy(num_classes, average="micro") for s in ("val", "test")})
+        self.loss_mean = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
+        self.client_acc = nn.ModuleDict({s: PerClientAccuracy(num_clients) for s in ("val", "test")})
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(logits, target)
+
+    def configure_optimizers(self) -> None:
+        return None  # local optimizers live in the federation, the server optimizer too
+
+    # ------------------------------------------------------------------ federated training
+    def on_fit_start(self) -> None:
+        trainer, dm = self.trainer, self.trainer.datamodule
+        dtype = next(self.net.parameters()).dtype
+        parts = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)]
+        self.federation.attach(
+            self.net,
+            dm.clients.to(self.device, dtype),
+            self.loss_fn,
+            parts=parts,
+            reduce_sum=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            step_context=trainer.precision_plugin.train_step_context,
+        )
+
+    def training_step(self, client_id: int, batch_idx: int) -> Tensor:
+        loss = self.federation.train_client(int(client_id))
+        self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=1)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        rnd = self.federation.rnd
+        samples = sum(self.federation.num_samples(c) for c in rnd.cohort)
+        self.log_dict(
+            {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)}
+        )
+
+    # ------------------------------------------------------------------ evaluation of the global model
+    def _eval_step(self, split: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
+        x = batch[0].to(next(self.net.parameters()).dtype)
+        logits = self.net(x)
+        if dataloader_idx == 0:
+            self.acc[split].update(logits, batch[1])
+            self.loss_mean[split].update(F.cross_entropy(logits, batch[1]), weight=len(batch[1]))
+        else:
+            self.client_acc[split].update(logits, batch[1], batch[2])
+
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step("val", batch, dataloader_idx)
+
+    def test_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step("test", batch, dataloader_idx)
+
+    def _eval_epoch_end(self, split: str) -> None:
+        self.log(f"{split}/acc", self.acc[split], add_dataloader_idx=False)
+        self.log(f"{split}/loss", self.loss_mean[split], add_dataloader_idx=False)
+        if self.trainer.datamodule.has_client_test:
+            per_client = self.client_acc[split].compute()
+            self.client_acc[split].reset()
+            for k, v in summarize(per_client).items():
+                self.log(f"{split}/client_acc_{k}", v, add_dataloader_idx=False)
+            self._log_client_table(split, per_client)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def _log_client_table(self, split: str, per_client: Tensor) -> None:
+        for logger in self.loggers:
+            if isinstance(logger, WandbLogger) and self.trainer.is_global_zero:
+                rows = [[c, float(a)] for c, a in enumerate(per_client.tolist()) if a == a]
+                logger.log_table(key=f"{split}/client_acc_table", columns=["client", "acc"], data=rows)
+
+    # ------------------------------------------------------------------ checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["flx"] = self.federation.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "flx" in checkpoint:
+            self.federation.load_state_dict(checkpoint["flx"])
