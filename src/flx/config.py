@@ -11,7 +11,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flx.errors import ConfigError, bad_value
@@ -37,17 +36,33 @@ def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
 
 
 def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig:
-    """Composes ``overrides`` the way ``train.py`` will; raises :class:`ConfigError` with one line if it fails."""
+    """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure."""
     from hydra import compose, initialize_config_dir
 
     user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra", "~hydra"))]
     _check_groups(user, config_dir)
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            return compose(config_name, overrides=user)
+            cfg = compose(config_name, overrides=user)
     except Exception as e:  # Hydra's exceptions carry multi-line messages; keep the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"bad command line: {first}") from None
+    validate(cfg)
+    _check_partition(cfg)
+    return cfg
+
+
+def _check_partition(cfg: DictConfig) -> None:
+    """Builds the partitioner (cheap, no data) so that its parameter checks run before the run starts."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(cfg.partition)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise ConfigError(f"partition: {str(e).strip().splitlines()[0]}") from None
 
 
 def _num(cfg: DictConfig, key: str) -> Any:
@@ -121,6 +136,8 @@ def _check_ckpt(cfg: DictConfig) -> None:
         return
     if not os.path.isfile(str(path)):
         raise bad_value("ckpt_path", path, "file not found")
+    import torch  # only here: keeps the pre-run check free of the torch import
+
     try:
         ckpt = torch.load(str(path), map_location="cpu", weights_only=False)
     except Exception as e:

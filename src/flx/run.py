@@ -8,16 +8,28 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate as _hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
 from flx.config import validate
+from flx.errors import ConfigError
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.federation import Federation, FederationConfig
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
+
+
+def instantiate(cfg: Any, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate``, with a :class:`ConfigError` raised by the target passed through unwrapped."""
+    try:
+        return _hydra_instantiate(cfg, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
 
 
 def federation_config(cfg: DictConfig) -> FederationConfig:

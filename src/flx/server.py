@@ -1,13 +1,20 @@
 """Server optimizer: an optimizer step on the pseudo-gradient, so FedAvgM / FedAdam are a config swap.
 
-Reddi et al., "Adaptive Federated Optimization", ICLR 2021 (Algorithm 2).
+Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2; Hsu et al., "Measuring the
+Effects of Non-Identical Data Distribution for Federated Visual Classification", 2019 (FedAvgM).
 
 .. math::
-    \\Delta^t = w^t - \\bar w^{t}_{\\text{clients}}, \\qquad w^{t+1} = \\mathrm{Opt}(w^t, \\Delta^t;\\ \\eta_s)
+    \\Delta_t = \\bar w_t^{\\text{clients}} - w_t \\quad\\text{(the paper's sign: the mean client update)}
 
-With ``sgd``, ``lr=1``, ``momentum=0`` this is plain FedAvg, done as an exact copy of the client mean
-(``w - (w - m)`` is not ``m`` in floating point). ``adam`` gives FedAdam; its ``eps`` is the paper's
-adaptivity ``tau`` (1e-3 in the paper's experiments).
+    \\text{sgd:}\\quad v_t = \\beta v_{t-1} + \\Delta_t,\\qquad w_{t+1} = w_t + \\eta_s v_t
+
+    \\text{adam:}\\quad m_t = \\beta_1 m_{t-1} + (1-\\beta_1)\\Delta_t,\\quad
+    v_t = \\beta_2 v_{t-1} + (1-\\beta_2)\\Delta_t^2,\\quad
+    w_{t+1} = w_t + \\eta_s \\frac{m_t}{\\sqrt{v_t} + \\tau}
+
+As in the paper, FedAdam has no bias correction (unlike ``torch.optim.Adam``); ``eps`` is ``tau``.
+With ``sgd``, ``lr=1``, ``momentum=0`` the step is plain FedAvg, done as an exact copy of the client mean
+(``w + (m - w)`` is not ``m`` in floating point). ``weight_decay`` adds ``-wd * w`` to ``Delta``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from flx.errors import bad_value
 
 @dataclass(frozen=True)
 class ServerOptConfig:
-    """Server optimizer parameters (``algo.server.*``)."""
+    """Server optimizer parameters (``algo.server.*``): ``eta_s`` = lr, ``beta`` = momentum, ``tau`` = eps."""
 
     name: str = "sgd"
     lr: float = 1.0
@@ -37,39 +44,60 @@ class ServerOptimizer:
     """Applies the server update to the global parameters in place.
 
     Args:
-        params: the global parameter tensors (persistent across rounds; optimizer state is keyed on them).
+        params: the global parameter tensors (persistent across rounds).
         cfg: the server optimizer configuration.
     """
 
     def __init__(self, params: list[Tensor], cfg: ServerOptConfig) -> None:
+        if cfg.name not in ("sgd", "adam"):
+            raise bad_value("algo.server.name", cfg.name, "allowed: sgd, adam")
         self.params, self.cfg = params, cfg
         self.exact_mean = cfg.name == "sgd" and cfg.lr == 1.0 and cfg.momentum == 0.0 and cfg.weight_decay == 0.0
-        self.opt = self._build(params, cfg)
+        self.state: dict[str, Any] = {"step": 0}
 
-    @staticmethod
-    def _build(params: list[Tensor], cfg: ServerOptConfig) -> torch.optim.Optimizer | None:
-        if cfg.name == "sgd":
-            return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        if cfg.name == "adam":
-            betas = (float(cfg.betas[0]), float(cfg.betas[1]))
-            return torch.optim.Adam(params, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        raise bad_value("algo.server.name", cfg.name, "allowed: sgd, adam")
+    def _moment(self, name: str) -> list[Tensor]:
+        if name not in self.state:
+            self.state[name] = [torch.zeros_like(p) for p in self.params]
+        return self.state[name]
 
     @torch.no_grad()
     def step(self, mean: list[Tensor]) -> None:
         """``mean``: the aggregated client models, aligned with ``params``."""
+        self.state["step"] += 1
         if self.exact_mean:
             torch._foreach_copy_(self.params, [m.to(p.dtype) for p, m in zip(self.params, mean)])
             return
-        for p, m in zip(self.params, mean):
-            p.grad = p - m.to(p.dtype)  # pseudo-gradient
-        self.opt.step()
-        for p in self.params:
-            p.grad = None
+        delta = torch._foreach_sub([m.to(p.dtype) for p, m in zip(self.params, mean)], self.params)
+        if self.cfg.weight_decay:
+            torch._foreach_add_(delta, self.params, alpha=-self.cfg.weight_decay)
+        if self.cfg.name == "sgd":
+            self._sgd(delta)
+        else:
+            self._adam(delta)
+
+    def _sgd(self, delta: list[Tensor]) -> None:
+        if self.cfg.momentum:
+            v = self._moment("v")
+            torch._foreach_mul_(v, self.cfg.momentum)
+            torch._foreach_add_(v, delta)
+            delta = v
+        torch._foreach_add_(self.params, delta, alpha=self.cfg.lr)
+
+    def _adam(self, delta: list[Tensor]) -> None:
+        (b1, b2), m, v = self.cfg.betas, self._moment("m"), self._moment("v")
+        torch._foreach_lerp_(m, delta, 1.0 - b1)  # m = b1 m + (1 - b1) delta
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, delta, delta, value=1.0 - b2)
+        denom = torch._foreach_add(torch._foreach_sqrt(v), self.cfg.eps)
+        torch._foreach_addcdiv_(self.params, m, denom, value=self.cfg.lr)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.opt.state_dict()
+        return {k: ([t.clone() for t in v] if isinstance(v, list) else v) for k, v in self.state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self.opt.load_state_dict(state)
+        if not state:
+            return
+        self.state = {"step": int(state.get("step", 0))}
+        for k, v in state.items():
+            if isinstance(v, list):
+                self.state[k] = [t.to(p.device, p.dtype) for t, p in zip(v, self.params)]

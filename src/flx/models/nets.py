@@ -1,0 +1,195 @@
+"""Small from-scratch networks used as FL baselines: logistic regression, MLP and the FedAvg CNN.
+
+Every constructor takes ``input_shape`` (the per-sample shape, e.g. ``(1, 28, 28)`` or ``(30,)``) and
+``num_classes`` as keyword arguments, so each class can be a Hydra ``_target_`` with both values filled in at
+instantiate time. Each model maps a float batch ``(B, *input_shape)`` to logits ``(B, num_classes)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from flx.errors import ConfigError, bad_value
+
+__all__ = ["CNN", "MLP", "LogisticRegression", "as_shape", "check_num_classes"]
+
+
+def as_shape(input_shape: Sequence[Any]) -> tuple[int, ...]:
+    """Normalises a per-sample shape given as a tuple, list or OmegaConf ``ListConfig``.
+
+    Args:
+        input_shape: per-sample shape, e.g. ``(1, 28, 28)``.
+
+    Returns:
+        The shape as a tuple of positive ints.
+
+    Raises:
+        ConfigError: if the shape is empty or has a non-positive dimension.
+    """
+    try:
+        shape = tuple(int(s) for s in input_shape)
+    except (TypeError, ValueError):
+        raise bad_value("input_shape", input_shape, "expected a sequence of positive ints") from None
+    if not shape or any(s <= 0 for s in shape):
+        raise bad_value("input_shape", shape, "expected a non-empty sequence of positive ints")
+    return shape
+
+
+def check_num_classes(num_classes: Any) -> int:
+    """Returns ``num_classes`` as an int, raising ConfigError unless it is at least 1."""
+    try:
+        n = int(num_classes)
+    except (TypeError, ValueError):
+        raise bad_value("num_classes", num_classes, "expected an int >= 1") from None
+    if n < 1:
+        raise bad_value("num_classes", num_classes, "expected an int >= 1")
+    return n
+
+
+def _as_widths(key: str, widths: int | Sequence[Any], allow_empty: bool) -> tuple[int, ...]:
+    """Normalises a layer-width option (an int or a sequence of ints) to a tuple of positive ints."""
+    out = (int(widths),) if isinstance(widths, int) else tuple(int(w) for w in widths)
+    if (not out and not allow_empty) or any(w <= 0 for w in out):
+        what = "a sequence of positive ints" if allow_empty else "a non-empty sequence of positive ints"
+        raise bad_value(key, out, f"expected {what}")
+    return out
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: flatten, then one affine layer.
+
+    Args:
+        input_shape: per-sample shape; it is flattened to ``prod(input_shape)`` features.
+        num_classes: number of output logits.
+    """
+
+    def __init__(self, *, input_shape: Sequence[int], num_classes: int) -> None:
+        super().__init__()
+        self.input_shape = as_shape(input_shape)
+        self.num_classes = check_num_classes(num_classes)
+        self.flatten = nn.Flatten(start_dim=1)
+        self.linear = nn.Linear(math.prod(self.input_shape), self.num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``(B, *input_shape)`` to logits ``(B, num_classes)``."""
+        return self.linear(self.flatten(x))  # (B, D) -> (B, K)
+
+
+class MLP(nn.Module):
+    """Fully connected network: flatten, ``Linear + ReLU (+ Dropout)`` per hidden layer, linear head.
+
+    Args:
+        input_shape: per-sample shape; it is flattened to ``prod(input_shape)`` features.
+        num_classes: number of output logits.
+        hidden: widths of the hidden layers (an empty sequence gives logistic regression).
+        dropout: dropout probability after each hidden ReLU, in ``[0, 1)``; 0 adds no dropout layer.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        hidden: int | Sequence[int] = (200, 200),
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.input_shape = as_shape(input_shape)
+        self.num_classes = check_num_classes(num_classes)
+        widths = _as_widths("model.hidden", hidden, allow_empty=True)
+        dropout = float(dropout)
+        if not 0.0 <= dropout < 1.0:
+            raise bad_value("model.dropout", dropout, "expected a probability in [0, 1)")
+
+        layers: list[nn.Module] = [nn.Flatten(start_dim=1)]
+        in_features = math.prod(self.input_shape)
+        for width in widths:
+            layers += [nn.Linear(in_features, width), nn.ReLU(inplace=True)]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            in_features = width
+        layers.append(nn.Linear(in_features, self.num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``(B, *input_shape)`` to logits ``(B, num_classes)``."""
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    """The small CNN of the FedAvg paper (McMahan et al., 2017), generalised to any image size.
+
+    Each entry of ``channels`` adds a block ``Conv5x5(padding=2) + ReLU + MaxPool2``; the 5x5 convolution
+    keeps the spatial size and the pooling halves it (rounding down). The features are flattened and fed to
+    ``Linear(-> hidden) + ReLU`` and a linear head. With the defaults and a ``(1, 28, 28)`` input this is the
+    FedAvg MNIST CNN: 28x28 -> 14x14 -> 7x7, flatten size ``64 * 7 * 7``.
+
+    Args:
+        input_shape: per-sample image shape ``(C, H, W)``.
+        num_classes: number of output logits.
+        channels: output channels of the convolution blocks.
+        hidden: width of the fully connected layer before the head.
+
+    Raises:
+        ConfigError: if the input is not an image, or is too small for the number of pooling steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        channels: int | Sequence[int] = (32, 64),
+        hidden: int = 512,
+    ) -> None:
+        super().__init__()
+        self.input_shape = as_shape(input_shape)
+        self.num_classes = check_num_classes(num_classes)
+        if len(self.input_shape) != 3:
+            raise ConfigError(f"model=cnn needs image inputs (C, H, W); got input_shape={self.input_shape}")
+        widths = _as_widths("model.channels", channels, allow_empty=False)
+        hidden = int(hidden)
+        if hidden <= 0:
+            raise bad_value("model.hidden", hidden, "expected a positive int")
+
+        self.flatten_size = self.flat_features(self.input_shape, widths)
+        blocks: list[nn.Module] = []
+        in_ch = self.input_shape[0]
+        for out_ch in widths:
+            # (B, in_ch, h, w) -> (B, out_ch, h // 2, w // 2)
+            blocks += [nn.Conv2d(in_ch, out_ch, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            in_ch = out_ch
+        self.features = nn.Sequential(*blocks)
+        self.classifier = nn.Sequential(
+            nn.Flatten(start_dim=1),  # (B, C', H', W') -> (B, C' * H' * W')
+            nn.Linear(self.flatten_size, hidden),
+            nn.ReLU(inplace=True),
+            nn.Linear(hidden, self.num_classes),  # (B, hidden) -> (B, K)
+        )
+
+    @staticmethod
+    def flat_features(input_shape: tuple[int, ...], channels: tuple[int, ...]) -> int:
+        """Returns the flattened feature size ``channels[-1] * H' * W'`` after all conv blocks.
+
+        Raises:
+            ConfigError: if a pooling step would shrink a spatial side to zero.
+        """
+        _, h, w = input_shape
+        for _ in channels:
+            h, w = h // 2, w // 2
+        if h < 1 or w < 1:
+            raise bad_value(
+                "input_shape",
+                input_shape,
+                f"model=cnn with {len(channels)} pooling steps needs H and W >= {2 ** len(channels)}",
+            )
+        return channels[-1] * h * w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``(B, C, H, W)`` to logits ``(B, num_classes)``."""
+        return self.classifier(self.features(x))
