@@ -223,6 +223,8 @@ class Federation:
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
         self.aggregator.reset()
+        # weights are added pre-divided by the round's expected total, so one client's mean is its model exactly
+        self._weight_scale = 1.0 / sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity))
         for part in self._hooked["on_round_start"]:
             part.on_round_start(self, self.rnd)
         return self.rnd
@@ -249,10 +251,13 @@ class Federation:
             return self.cfg.local_steps
         return self.cfg.local_epochs * -(-self.num_samples(cid) // self.cfg.batch_size)
 
+    def base_weight(self, cid: int, multiplicity: int) -> float:
+        """Aggregation weight before parts adjust it: ``n_i`` (or 1) times the times ``i`` was drawn."""
+        return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * multiplicity)
+
     def make_client(self, cid: int) -> ClientContext:
         n = self.num_samples(cid)
-        mult = self.rnd.multiplicity[self.rnd.cohort.index(cid)]
-        weight = (n if self.cfg.weighting == "num_samples" else 1.0) * mult
+        weight = self.base_weight(cid, self.rnd.multiplicity[self.rnd.cohort.index(cid)])
         seed = derive_seed(self.cfg.seed, self.rnd.round, cid)
         torch.manual_seed(seed)  # dropout & co. depend only on (seed, round, client)
         self._gen.manual_seed(seed)
@@ -280,7 +285,7 @@ class Federation:
         total = self._local_steps(client)
         for part in self._hooked["on_client_end"]:
             part.on_client_end(self, client)
-        self.aggregator.update(self.local_state, client.weight)
+        self.aggregator.update(self.local_state, client.weight * self._weight_scale)
         if client.state:
             self.store.put(cid, client.state)
         return total / max(client.num_steps, 1)

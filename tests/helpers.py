@@ -1,0 +1,56 @@
+"""Small builders shared by the maths tests: toy data, a federation attached to a net, a round driver."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flx.callbacks.base import FederatedCallback
+from flx.datamodules.datamodule import ClientStore
+from flx.federation import Federation, FederationConfig
+
+
+def toy_data(sizes: Sequence[int], dim: int = 5, classes: int = 3, seed: int = 0, dtype=torch.float32) -> ClientStore:
+    """Gaussian inputs, random labels; client ``c`` owns a contiguous block of ``sizes[c]`` rows."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    x = torch.randn(n, dim, generator=g, dtype=dtype)
+    y = torch.randint(0, classes, (n,), generator=g)
+    bounds = torch.tensor([0, *sizes]).cumsum(0)
+    return ClientStore(x, y, [torch.arange(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def linear(dim: int = 5, out: int = 3, seed: int = 0, dtype=torch.float32, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(dim, out, bias=bias).to(dtype)
+
+
+def make_fed(
+    net: nn.Module,
+    data: ClientStore,
+    parts: Sequence[FederatedCallback] = (),
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+    rank: int = 0,
+    world_size: int = 1,
+    reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    **cfg: object,
+) -> Federation:
+    fed = Federation(FederationConfig(**cfg))
+    fed.attach(net, data, loss_fn, parts=parts, rank=rank, world_size=world_size, reduce_sum=reduce_sum)
+    return fed
+
+
+def run_rounds(fed: Federation, rounds: int, start: int = 0) -> None:
+    """Drives the protocol as the Lightning loops do on a single process."""
+    for r in range(start, start + rounds):
+        rnd = fed.begin_round(r)
+        for cid in rnd.shard:
+            fed.train_client(cid)
+        fed.end_round()
+
+
+def params(net: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in net.parameters()]

@@ -1,0 +1,200 @@
+"""Closed-form and invariance tests of the round protocol (no Lightning, milliseconds each)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import linear, make_fed, params, run_rounds, toy_data
+from torch import nn
+
+from flx.callbacks.base import FederatedCallback
+from flx.federation import derive_seed, local_batches, shard_greedy, uniform_cohort
+
+
+def test_one_client_fedavg_equals_centralised_sgd() -> None:
+    """FedAvg with a single client, server SGD(lr=1): every round is K SGD steps on that client's data.
+
+    The centralised reference draws its minibatches exactly as documented for a client: a permutation of
+    the client's rows from a generator seeded by ``derive_seed(seed, round, client)``, reshuffled when
+    exhausted. Weights must be identical (bitwise).
+    """
+    data = toy_data([37])
+    fed = make_fed(linear(), data, rounds=3, clients_per_round=1, local_steps=7, batch_size=8, lr=0.1, seed=3)
+    run_rounds(fed, 3)
+
+    ref = linear()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for r in range(3):
+        g = torch.Generator().manual_seed(derive_seed(3, r, 0))
+        steps = 0
+        while steps < 7:
+            for b in torch.randperm(37, generator=g).split(8):
+                if steps == 7:
+                    break
+                opt.zero_grad()
+                F.cross_entropy(ref(data.x[b]), data.y[b]).backward()
+                opt.step()
+                steps += 1
+    for a, b in zip(fed.net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_full_batch_fedavg_equals_centralised_gd() -> None:
+    """Full participation, K=1 full-batch step, weights p_i = n_i:
+
+    w' = sum_i (n_i/n) (w - eta grad f_i(w)) = w - eta grad( sum_i (n_i/n) f_i )(w) = w - eta grad F(w),
+    with F the mean loss over the union of the clients' data (float64).
+    """
+    sizes = [5, 17, 9, 30]
+    data = toy_data(sizes, dtype=torch.float64)
+    net = linear(dtype=torch.float64)
+    fed = make_fed(net, data, rounds=4, clients_per_round=4, local_steps=1, batch_size=64, lr=0.5)
+    run_rounds(fed, 4)
+
+    ref = linear(dtype=torch.float64)
+    for _ in range(4):
+        ref.zero_grad()
+        F.cross_entropy(ref(data.x), data.y).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.5 * p.grad
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_uniform_weighting_is_plain_mean() -> None:
+    """weighting=uniform: w' = (1/m) sum_i w_i (full batch, K=1, float64)."""
+    sizes = [3, 11]
+    data = toy_data(sizes, dtype=torch.float64)
+    net = linear(dtype=torch.float64)
+    w0 = params(net)
+    fed = make_fed(net, data, clients_per_round=2, local_steps=1, batch_size=64, lr=0.3, weighting="uniform")
+    run_rounds(fed, 1)
+    grads = []
+    for idx in data.client_indices:
+        ref = linear(dtype=torch.float64)
+        F.cross_entropy(ref(data.x[idx]), data.y[idx]).backward()
+        grads.append([p.grad for p in ref.parameters()])
+    for k, p in enumerate(net.parameters()):
+        expected = w0[k] - 0.3 * (grads[0][k] + grads[1][k]) / 2
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-12)
+
+
+class _Recorder(FederatedCallback):
+    """Records every client's local model (after training) and its weight."""
+
+    def __init__(self) -> None:
+        self.local: dict[int, list[torch.Tensor]] = {}
+        self.weights: dict[int, float] = {}
+
+    def on_client_end(self, fed, client) -> None:
+        self.local[client.cid] = [p.detach().clone() for p in fed.params]
+        self.weights[client.cid] = client.weight
+
+
+def _dropout_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+def test_client_result_depends_only_on_seed_round_client() -> None:
+    """A client's local model is the same whatever other clients trained before it (dropout included)."""
+    data = toy_data([20, 20, 20, 20])
+    kw = dict(clients_per_round=4, local_steps=3, batch_size=4, lr=0.1)
+    rec_a, rec_b = _Recorder(), _Recorder()
+    fed_a = make_fed(_dropout_net(), data, parts=[rec_a], **kw)
+    fed_b = make_fed(_dropout_net(), data, parts=[rec_b], **kw)
+    for fed, order in ((fed_a, [0, 1, 2, 3]), (fed_b, [3, 1, 0, 2])):
+        fed.begin_round(0)
+        for cid in order:
+            fed.train_client(cid)
+        fed.end_round()
+    for cid in range(4):
+        for a, b in zip(rec_a.local[cid], rec_b.local[cid]):
+            assert torch.equal(a, b)
+    for a, b in zip(fed_a.net.parameters(), fed_b.net.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_two_ranks_equal_one_rank() -> None:
+    """Sharding over 2 ranks with a sum-reduce gives the 1-rank global model (allclose 1e-5).
+
+    The two ranks run one after the other; the collective is simulated by summing their flat buffers.
+    """
+    data = toy_data([7, 12, 30, 4, 19, 25])
+    kw = dict(clients_per_round=5, local_steps=4, batch_size=5, lr=0.2, seed=1)
+    single = make_fed(_dropout_net(), data, **kw)
+    run_rounds(single, 3)
+
+    buffers: dict[int, torch.Tensor] = {}
+
+    def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        return sum(buffers.values())
+
+    ranks = [make_fed(_dropout_net(), data, rank=r, world_size=2, reduce_sum=reduce_sum, **kw) for r in (0, 1)]
+    for r in range(3):
+        shards = [fed.begin_round(r).shard for fed in ranks]
+        assert sorted(shards[0] + shards[1]) == list(ranks[0].rnd.cohort)
+        for k, fed in enumerate(ranks):
+            for cid in shards[k]:
+                fed.train_client(cid)
+            buffers[k] = fed.aggregator._flat.clone()
+        for fed in ranks:
+            fed.end_round()
+    for fed in ranks:
+        for a, b in zip(fed.net.parameters(), single.net.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_client_weight_is_sample_count_times_multiplicity() -> None:
+    class Twice(FederatedCallback):
+        def sample_clients(self, fed, round_idx, rng):
+            return [1, 1, 2]
+
+    rec = _Recorder()
+    fed = make_fed(linear(), toy_data([4, 6, 9]), parts=[Twice(), rec], clients_per_round=2)
+    run_rounds(fed, 1)
+    assert fed.rnd.cohort == (1, 2) and fed.rnd.multiplicity == (2, 1)
+    assert rec.weights == {1: 12.0, 2: 9.0}
+
+
+def test_local_steps_from_epochs() -> None:
+    fed = make_fed(linear(), toy_data([10, 21]), clients_per_round=2, local_epochs=2, batch_size=4)
+    assert [fed.client_steps(0), fed.client_steps(1)] == [2 * 3, 2 * 6]
+
+
+def test_local_batches_cover_each_sample_once_per_pass() -> None:
+    idx = torch.arange(100, 123)
+    g = torch.Generator().manual_seed(0)
+    batches = list(local_batches(idx, 5, 10, g))  # 5 batches per pass (23 = 4*5 + 3), two passes
+    assert len(batches) == 10 and [len(b) for b in batches] == [5, 5, 5, 5, 3] * 2
+    for p in (0, 1):
+        assert torch.equal(torch.cat(batches[5 * p : 5 * p + 5]).sort().values, idx)
+    assert not torch.equal(torch.cat(batches[:5]), torch.cat(batches[5:]))  # reshuffled
+
+
+def test_uniform_cohort_is_seeded_and_without_replacement() -> None:
+    a = uniform_cohort(50, 10, np.random.default_rng(derive_seed(0, 3, 90)))
+    b = uniform_cohort(50, 10, np.random.default_rng(derive_seed(0, 3, 90)))
+    c = uniform_cohort(50, 10, np.random.default_rng(derive_seed(0, 4, 90)))
+    assert a == b and a != c and len(set(a)) == 10 and all(0 <= x < 50 for x in a)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_shard_greedy_partitions_and_balances(world: int) -> None:
+    rng = np.random.default_rng(world)
+    cids = list(rng.choice(1000, size=20, replace=False))
+    sizes = list(rng.integers(1, 200, size=20))
+    shards = shard_greedy(cids, sizes, world)
+    assert sorted(c for s in shards for c in s) == sorted(cids)
+    load = {c: s for c, s in zip(cids, sizes)}
+    loads = [sum(load[c] for c in s) for s in shards]
+    assert max(loads) - min(loads) <= max(sizes)  # LPT: the gap is at most one client
+    assert shards == shard_greedy(list(reversed(cids)), list(reversed(sizes)), world)  # order-free
+
+
+def test_derive_seed_streams_differ() -> None:
+    seeds = {derive_seed(0, r, c) for r in range(20) for c in range(20)}
+    assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)
