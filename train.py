@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 
 import hydra
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
-from flx.config import CONFIG_DIR, precheck
+from flx.config import CONFIG_DIR, one_line, precheck
 from flx.errors import ConfigError
 
 
@@ -24,6 +26,8 @@ def main(cfg: DictConfig) -> float | None:
         metrics = train(cfg)
     except ConfigError as err:
         _fail(err)
+    except (InstantiationException, OmegaConfBaseException) as err:  # a config value a target rejected
+        _fail(ConfigError(one_line(err)))
     return metrics.get("test/acc")
 
 

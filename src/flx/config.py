@@ -7,11 +7,13 @@ composed config. Loaders and partitioners check what only they can (files on dis
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value
 
@@ -39,15 +41,22 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
     """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure."""
     from hydra import compose, initialize_config_dir
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra", "~hydra"))]
     _check_groups(user, config_dir)
     try:
+        OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("-")])
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             cfg = compose(config_name, overrides=user)
-    except Exception as e:  # Hydra's exceptions carry multi-line messages; keep the first line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"bad command line: {first}") from None
-    validate(cfg)
+    except Exception as e:  # Hydra's exceptions carry multi-line messages: fold them into one line
+        override = getattr(e, "override", None)  # OverrideParseException: the override that did not parse
+        where = f"cannot parse {override!r}; " if isinstance(override, str) else ""
+        raise ConfigError(f"bad command line: {where}{one_line(e)}") from None
+    try:
+        validate(cfg)
+    except OmegaConfBaseException as e:  # e.g. a broken interpolation in a value that validate reads
+        raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {one_line(e)}") from None
     _check_partition(cfg)
     return cfg
 
@@ -62,13 +71,34 @@ def _check_partition(cfg: DictConfig) -> None:
     except InstantiationException as e:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
-        raise ConfigError(f"partition: {str(e).strip().splitlines()[0]}") from None
+        raise ConfigError(f"partition: {one_line(e)}") from None
+
+
+_NOISE = ("full_key:", "object_type=", "Set the environment variable HYDRA_FULL_ERROR")
+
+
+def _lines(e: BaseException | None) -> list[str]:
+    """The informative lines of an exception's message, without Hydra/OmegaConf location and debugging hints."""
+    lines = []
+    for line in ("" if e is None else str(e)).splitlines():
+        line = line.split(", set env var HYDRA_FULL_ERROR")[0].strip().rstrip(".:")
+        if line and not line.startswith(_NOISE):
+            lines.append(line)
+    return lines
+
+
+def one_line(e: BaseException) -> str:
+    """Folds a (Hydra) exception and its cause into one line, e.g.
+    ``Could not override 'algo.lrr'; Key 'lrr' is not in struct; To append to your config use +algo.lrr=0.1``."""
+    lines = _lines(e) or [type(e).__name__]
+    cause = [c for c in _lines(e.__cause__) if not any(c in line for line in lines)]
+    return "; ".join(lines[:1] + cause + lines[1:])
 
 
 def _num(cfg: DictConfig, key: str) -> Any:
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_value(key, value, "must be a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_value(key, value, "must be a finite number")
     return value
 
 
@@ -109,6 +139,8 @@ def _check_algo(cfg: DictConfig) -> None:
 
 def _world_size(cfg: DictConfig) -> int:
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
+    if not (devices in ("auto", -1) or OmegaConf.is_list(devices) or (isinstance(devices, int) and devices > 0)):
+        raise bad_value("trainer.devices", devices, "allowed: an integer >= 1, a list of device ids, -1 or auto")
     if isinstance(devices, int) and devices > 0:
         return devices * nodes
     if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
@@ -150,6 +182,10 @@ def validate(cfg: DictConfig) -> None:
     """Checks value ranges and cross-key constraints; raises :class:`ConfigError` with one line."""
     _int(cfg, "seed", 0)
     _int(cfg, "eval_every", 1)
+    _int(cfg, "data.eval_batch_size", 1)
+    backend = OmegaConf.select(cfg, "state_store.backend")
+    if backend not in ("memory", "disk"):
+        raise bad_value("state_store.backend", backend, "allowed: memory, disk")
     _check_algo(cfg)
     _check_trainer(cfg)
     _check_ckpt(cfg)

@@ -75,6 +75,7 @@ class RoundContext:
     shard: tuple[int, ...]  # the ids this rank trains
     rank: int
     world_size: int
+    slots: int  # clients per rank in the busiest shard: every rank runs this many "batches"
 
 
 @dataclass
@@ -215,9 +216,8 @@ class Federation:
         shards = shard_greedy(cohort, [self.num_samples(c) for c in cohort], self.world_size)
         if any(not s for s in shards):
             raise RuntimeError(f"round {round_idx}: cohort of {len(cohort)} clients leaves a rank without clients")
-        self.rnd = RoundContext(
-            round_idx, cohort, tuple(int(c) for c in counts), tuple(shards[self.rank]), self.rank, self.world_size
-        )
+        mult, slots = tuple(int(c) for c in counts), max(len(s) for s in shards)
+        self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
         with torch.no_grad():
             _copy(self.global_params, [p.detach() for p in self.params])
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])

@@ -28,11 +28,15 @@ if TYPE_CHECKING:
     from flx.federation import Federation
 
 
+IDLE = -1  # a padding slot: the rank has no client left this round but keeps step with the others
+
+
 class RoundLoader:
     """The train "dataloader": yields this rank's client ids of the current round.
 
-    It has no ``__len__`` on purpose: the number of clients per rank changes per round, and the loop
-    sets ``max_batches`` itself at each round start.
+    Every rank yields the same number of items (shorter shards are padded with :data:`IDLE`), because
+    Lightning runs collectives per batch in DDP; an idle slot trains nothing. It has no ``__len__`` on
+    purpose: the loop sets ``max_batches`` itself at each round start.
     """
 
     def __init__(self) -> None:
@@ -59,9 +63,9 @@ class FederatedFitLoop(_FitLoop):
         if not isinstance(loader, RoundLoader):
             raise TypeError("flx needs the train dataloader to be a flx.loop.RoundLoader (use FederatedDataModule)")
         rnd = _federation(self.trainer).begin_round(self.trainer.current_epoch)
-        loader.clients = rnd.shard
+        loader.clients = rnd.shard + (IDLE,) * (rnd.slots - len(rnd.shard))
         limit = self.trainer.limit_train_batches
-        n = len(rnd.shard)
+        n = rnd.slots
         self.max_batches = min(n, limit) if isinstance(limit, int) else max(1, int(n * limit))
         super().on_advance_start()
 

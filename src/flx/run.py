@@ -5,6 +5,7 @@ No algorithm logic here: configs pick classes with ``_target_``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -82,9 +83,22 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     return dm, module, build_trainer(cfg, parts)
 
 
+def save_config(cfg: DictConfig) -> None:
+    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    folder = os.path.join(HydraConfig.get().runtime.output_dir, ".hydra")
+    os.makedirs(folder, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
+    OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, "overrides.yaml"))
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints ``final test_acc=<value>``."""
     dm, module, trainer = build(cfg)
+    save_config(cfg)
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
     results = trainer.test(module, datamodule=dm, verbose=False)
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}

@@ -208,8 +208,8 @@ def test_breast_cancer_per_feature_standardised() -> None:
 
 @pytest.mark.parametrize("test_size", [0.0, 1.0, -0.1, 1.5, True])
 def test_bundled_bad_test_size(test_size: float) -> None:
-    raises_one_line(digits, test_size=test_size, match="data.test_size=")
-    raises_one_line(breast_cancer, test_size=test_size, match="data.test_size=")
+    raises_one_line(digits, test_size=test_size, match="data.loader.test_size=")
+    raises_one_line(breast_cancer, test_size=test_size, match="data.loader.test_size=")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_emnist_letters_shifted(tmp_path: Path) -> None:
 
 
 def test_emnist_bad_split_and_missing(tmp_path: Path) -> None:
-    message = raises_one_line(emnist, root=str(tmp_path), split="lowercase", match="data.split='lowercase'")
+    message = raises_one_line(emnist, root=str(tmp_path), split="lowercase", match="data.loader.split='lowercase'")
     assert "byclass, bymerge, balanced, letters, digits, mnist" in message
     raw = (tmp_path / "EMNIST" / "raw").resolve()
     raises_one_line(emnist, root=str(tmp_path), split="byclass", match=f"EMNIST 'byclass' not found at {raw}")
@@ -391,7 +391,7 @@ def test_cifar100_fine_and_coarse(tmp_path: Path) -> None:
     assert torch.equal(fine.x_train, coarse.x_train)
     assert_images(fine.x_test, cifar_images([test]), channel_stats(cifar_images([train])))
     raises_one_line(
-        cifar100, root=str(tmp_path), label="superclass", match="data.label='superclass': must be one of fine, coarse"
+        cifar100, root=str(tmp_path), label="superclass", match="data.loader.label='superclass': must be one of fine, coarse"
     )
 
 
@@ -478,17 +478,17 @@ def test_medmnist_multilabel_label_index(tmp_path: Path) -> None:
     assert data.num_classes == 2
     assert_labels(data.y_train, arrays["train_labels"][:, 13])
     assert_labels(data.y_test, arrays["test_labels"][:, 13])
-    message = raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", match="data.label_index=None")
+    message = raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", match="data.loader.label_index=None")
     assert "multi-label" in message and "0..13" in message
-    raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", label_index=14, match="data.label_index=14")
-    raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", label_index=1.0, match="data.label_index=1.0")
+    raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", label_index=14, match="data.loader.label_index=14")
+    raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", label_index=1.0, match="data.loader.label_index=1.0")
 
 
 def test_medmnist_bad_options(tmp_path: Path) -> None:
-    message = raises_one_line(medmnist, root=str(tmp_path), name="organmnist3d", match="data.name='organmnist3d'")
+    message = raises_one_line(medmnist, root=str(tmp_path), name="organmnist3d", match="data.loader.name='organmnist3d'")
     assert all(name in message for name in ("pathmnist", "chestmnist", "retinamnist", "organsmnist"))
-    raises_one_line(medmnist, root=str(tmp_path), size=32, match="data.size=32: must be one of 28, 64, 128, 224")
-    raises_one_line(medmnist, root=str(tmp_path), use_val="test", match="data.use_val='test'")
+    raises_one_line(medmnist, root=str(tmp_path), size=32, match="data.loader.size=32: must be one of 28, 64, 128, 224")
+    raises_one_line(medmnist, root=str(tmp_path), use_val="test", match="data.loader.use_val='test'")
     raises_one_line(medmnist, root=str(tmp_path), label_index=0, match="single-label")
 
 

@@ -335,7 +335,7 @@ def _bundled_split(
     Returns:
         ``x_train, x_test, y_train, y_test``.
     """
-    _check_fraction("data.test_size", test_size)
+    _check_fraction("data.loader.test_size", test_size)
     return train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
 
 
@@ -516,7 +516,7 @@ def emnist(root: str, split: str = "balanced") -> TensorData:
     Raises:
         ConfigError: on an unknown split or missing / corrupt files.
     """
-    _choice("data.split", split, list(_EMNIST_CLASSES))
+    _choice("data.loader.split", split, list(_EMNIST_CLASSES))
     num_classes = _EMNIST_CLASSES[split]
     first = 1 if split == "letters" else 0
     directory = _data_dir(root) / "EMNIST" / "raw"
@@ -655,7 +655,7 @@ def cifar100(root: str, label: str = "fine") -> TensorData:
     Raises:
         ConfigError: on an unknown ``label`` or missing / corrupt files.
     """
-    _choice("data.label", label, ["fine", "coarse"])
+    _choice("data.loader.label", label, ["fine", "coarse"])
     num_classes = 100 if label == "fine" else 20
     directory = _data_dir(root) / "cifar-100-python"
     train, test = _cifar(directory, ["train"], "test", f"{label}_labels".encode(), num_classes, "cifar100")
@@ -746,17 +746,17 @@ def _check_medmnist_options(name: str, size: int, label_index: int | None, use_v
     Raises:
         ConfigError: on any invalid option.
     """
-    _choice("data.name", name, list(_MEDMNIST_2D))
-    _choice("data.size", size, _MEDMNIST_SIZES)
-    _choice("data.use_val", use_val, ["drop", "train"])
+    _choice("data.loader.name", name, list(_MEDMNIST_2D))
+    _choice("data.loader.size", size, _MEDMNIST_SIZES)
+    _choice("data.loader.use_val", use_val, ["drop", "train"])
     classes, multi_label = _MEDMNIST_2D[name]
     if not multi_label:
         if label_index is not None:
-            raise bad_value("data.label_index", label_index, f"{name} is single-label: leave it null")
+            raise bad_value("data.loader.label_index", label_index, f"{name} is single-label: leave it null")
         return
     valid = isinstance(label_index, int) and not isinstance(label_index, bool) and 0 <= label_index < classes
     if not valid:
-        raise bad_value("data.label_index", label_index, f"{name} is multi-label: pick a column in 0..{classes - 1}")
+        raise bad_value("data.loader.label_index", label_index, f"{name} is multi-label: pick a column in 0..{classes - 1}")
 
 
 def medmnist(

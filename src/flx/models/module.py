@@ -20,6 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from flx.callbacks.base import FederatedCallback
 from flx.federation import Federation
+from flx.loop import IDLE
 from flx.metrics.client_summary import PerClientAccuracy, summarize
 
 
@@ -67,16 +68,19 @@ class FederatedModule(pl.LightningModule):
             step_context=trainer.precision_plugin.train_step_context,
         )
 
-    def training_step(self, client_id: int, batch_idx: int) -> Tensor:
+    def training_step(self, client_id: int, batch_idx: int) -> Tensor | None:
+        if int(client_id) == IDLE:
+            return None
         loss = self.federation.train_client(int(client_id))
-        self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=1)
+        self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
         return loss
 
     def on_train_epoch_end(self) -> None:
         rnd = self.federation.rnd
         samples = sum(self.federation.num_samples(c) for c in rnd.cohort)
         self.log_dict(
-            {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)}
+            {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)},
+            sync_dist=True,  # identical on every rank; syncing only silences Lightning's advice
         )
 
     # ------------------------------------------------------------------ evaluation of the global model

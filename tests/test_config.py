@@ -1,0 +1,242 @@
+"""The command-line contract of ``train.py``: every bad input gives one ``flx: error: ...`` line and exit status 2.
+
+Each case runs ``python train.py <overrides>`` in a subprocess (output and data dirs under ``tmp_path``) and checks
+that stderr holds exactly one non-empty line, starting with ``flx: error: `` and naming the key, the value and what
+is allowed, with no traceback. Most cases fail in :func:`flx.config.precheck` before Hydra starts the run (well under
+a second each); the cases marked ``slow`` fail inside the run (data loading, partitioning, model building) and pay
+for importing torch and Lightning (~5-10 s each).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+PREFIX = "flx: error: "
+
+
+def run_train(*args: str, run_dir: Path, data_dir: Path, timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
+    """Runs ``train.py`` with ``args`` (plus output dir, data dir and ``logger=none``); returns (rc, stdout, stderr)."""
+    cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}", f"paths.data_dir={data_dir}", "logger=none"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_line_error(rc: int, stdout: str, stderr: str, fragments: list[str]) -> str:
+    """Asserts the contract (exit 2, one ``flx: error:`` line on stderr holding every fragment); returns the line."""
+    shown = f"exit status {rc}\n--- stderr (tail) ---\n{stderr[-4000:]}\n--- stdout (tail) ---\n{stdout[-1000:]}"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert rc == 2, f"expected exit status 2; {shown}"
+    assert len(lines) == 1, f"expected exactly one non-empty stderr line, got {len(lines)}; {shown}"
+    line = lines[0]
+    assert line.startswith(PREFIX), f"stderr line does not start with {PREFIX!r}: {line!r}"
+    missing = [f for f in fragments if f not in line]
+    assert not missing, f"error line {line!r} lacks {missing}"
+    return line
+
+
+# --- files some cases need ---------------------------------------------------------------------------------------
+
+
+def _corrupt_ckpt(tmp: Path) -> None:
+    (tmp / "corrupt.ckpt").write_bytes(random.Random(0).randbytes(4096))
+
+
+def _foreign_ckpt(tmp: Path) -> None:
+    import torch
+
+    torch.save({"a": 1}, tmp / "foreign.ckpt")
+
+
+class Case(NamedTuple):
+    """A bad command line: ``args`` and ``expect`` may use ``{tmp}`` (a scratch dir) and ``{data}`` (paths.data_dir)."""
+
+    id: str
+    args: tuple[str, ...]
+    expect: tuple[str, ...]
+    setup: Callable[[Path], None] | None = None
+    slow: bool = False  # fails inside the run, after importing torch/Lightning
+
+
+CASES = [
+    # --- config groups and the override grammar (Hydra compose in the pre-run check) ---
+    Case("unknown-algo", ("algo=nope",), ("algo=", "nope", "fedavg")),
+    Case("unknown-data", ("data=nope",), ("data=", "nope", "cifar10")),
+    Case("unknown-model", ("model=nope",), ("model=", "nope", "resnet18")),
+    Case("unknown-partition", ("partition=nope",), ("partition=", "nope", "dirichlet")),
+    Case("unknown-logger", ("logger=nope",), ("logger=", "nope", "tensorboard")),
+    Case("unknown-trainer", ("trainer=nope",), ("trainer=", "nope", "ddp")),
+    Case("unknown-key", ("algo.lrr=0.1",), ("algo.lrr", "0.1")),
+    Case("unknown-top-level-key", ("notakey=1",), ("notakey", "1")),
+    Case("unparsable-override", ("algo.lr=[1",), ("algo.lr", "[1")),
+    Case("unparsable-hydra-override", ("hydra.job.chdir=[x",), ("hydra.job.chdir", "[x")),
+    Case("dangling-interpolation", ("algo.lr=${nope}",), ("algo.lr", "nope")),
+    # --- algorithm values ---
+    Case("lr-negative", ("algo.lr=-1",), ("algo.lr=-1", "> 0")),
+    Case("lr-not-a-number", ("algo.lr=abc",), ("algo.lr=", "abc", "number")),
+    Case("lr-inf", ("algo.lr=inf", "debug=default"), ("algo.lr=", "inf")),
+    Case("rounds-zero", ("algo.rounds=0",), ("algo.rounds=0", ">= 1")),
+    Case("local-steps-zero", ("algo.local_steps=0",), ("algo.local_steps=0", ">= 1")),
+    Case("local-epochs-zero", ("algo.local_epochs=0",), ("algo.local_epochs=0", ">= 1")),
+    Case("batch-size-zero", ("algo.batch_size=0",), ("algo.batch_size=0", ">= 1")),
+    Case("momentum-too-big", ("algo.momentum=1.5",), ("algo.momentum=1.5", "[0, 1)")),
+    Case("weighting-unknown", ("algo.weighting=foo",), ("algo.weighting=", "foo", "num_samples")),
+    Case("server-name-unknown", ("algo.server.name=sgdx",), ("algo.server.name=", "sgdx", "adam")),
+    Case("server-lr-zero", ("algo.server.lr=0",), ("algo.server.lr=0", "> 0")),
+    Case(
+        "clients-per-round-above-num-clients",
+        ("algo.clients_per_round=50",),
+        ("algo.clients_per_round=50", "partition.num_clients"),
+    ),
+    Case("clients-per-round-zero", ("algo.clients_per_round=0",), ("algo.clients_per_round=0", ">= 1")),
+    # --- partition parameters (the partitioner is built in the pre-run check) ---
+    Case("dirichlet-alpha-zero", ("partition=dirichlet", "partition.alpha=0"), ("partition.alpha=0", "> 0")),
+    Case(
+        "quantity-skew-alpha-negative", ("partition=quantity_skew", "partition.alpha=-1"), ("partition.alpha=-1", "> 0")
+    ),
+    Case("test-fraction-one", ("partition.test_fraction=1.0",), ("partition.test_fraction=1.0", "[0, 1)")),
+    Case("partition-unknown-parameter", ("+partition.foo=2",), ("partition", "foo")),
+    Case(
+        "shards-more-classes-than-present",
+        ("partition=shards", "partition.classes_per_client=11"),
+        ("partition.classes_per_client=11", "10"),
+        slow=True,
+    ),
+    Case(
+        "more-clients-than-samples",
+        ("partition.num_clients=5000", "algo.clients_per_round=2"),
+        ("partition.num_clients=5000", "training samples"),
+        slow=True,
+    ),
+    # --- top-level and trainer values ---
+    Case("eval-every-zero", ("eval_every=0",), ("eval_every=0", ">= 1")),
+    Case("seed-negative", ("seed=-1",), ("seed=-1", ">= 0")),
+    Case("precision-unknown", ("trainer.precision=12",), ("trainer.precision=12", "32-true", "bf16-mixed")),
+    Case("strategy-unknown", ("trainer.strategy=fsdp",), ("trainer.strategy=", "fsdp", "ddp")),
+    Case("devices-2-without-ddp", ("trainer.devices=2",), ("trainer.strategy", "ddp", "2 devices")),
+    Case("devices-not-a-number", ("trainer.devices=abc",), ("trainer.devices", "abc"), slow=True),
+    Case(
+        "state-store-backend-unknown", ("state_store.backend=foo",), ("state_store.backend", "foo", "memory"), slow=True
+    ),
+    # --- checkpoints ---
+    Case("ckpt-missing", ("ckpt_path={tmp}/missing.ckpt",), ("ckpt_path=", "{tmp}/missing.ckpt", "not found")),
+    Case("ckpt-corrupt", ("ckpt_path={tmp}/corrupt.ckpt",), ("ckpt_path=", "{tmp}/corrupt.ckpt"), _corrupt_ckpt),
+    Case("ckpt-not-flx", ("ckpt_path={tmp}/foreign.ckpt",), ("ckpt_path=", "{tmp}/foreign.ckpt", "flx"), _foreign_ckpt),
+    # --- data (checked by the loaders inside the run) ---
+    Case(
+        "cifar10-missing",
+        ("data=cifar10",),
+        ("data=cifar10", "{data}/cifar-10-batches-py", "data_batch_1", "paths.data_dir"),
+        slow=True,
+    ),
+    Case(
+        "mnist-missing",
+        ("data=mnist",),
+        ("data=mnist", "{data}/MNIST/raw", "train-images-idx3-ubyte", "paths.data_dir"),
+        slow=True,
+    ),
+    Case(
+        "medmnist-unknown-name",
+        ("data=medmnist", "data.loader.name=not_a_set"),
+        ("data.loader.name=", "not_a_set", "pathmnist"),
+        slow=True,
+    ),
+    Case(
+        "emnist-bad-split",
+        ("data=emnist", "data.loader.split=bad"),
+        ("data.loader.split=", "bad", "balanced"),
+        slow=True,
+    ),
+    Case(
+        "test-size-above-one", ("data.loader.test_size=2",), ("data.loader.test_size=2", "between 0 and 1"), slow=True
+    ),
+    Case(
+        "eval-batch-size-zero",
+        ("data.eval_batch_size=0", "debug=default"),
+        ("data.eval_batch_size=0",),
+        slow=True,
+    ),
+    # --- models (checked when the net is built inside the run) ---
+    Case("cnn-on-tabular", ("data=breast_cancer", "model=cnn"), ("model=cnn", "image", "(30,)"), slow=True),
+    Case(
+        "timm-unknown-model",
+        ("model=timm", "model.name=not_a_model"),
+        ("model.name=", "not_a_model", "timm"),
+        slow=True,
+    ),
+    Case(
+        "timm-pretrained-missing",
+        ("model=timm", "model.pretrained_path={tmp}/missing.pth"),
+        ("model.pretrained_path=", "{tmp}/missing.pth", "no such file"),
+        slow=True,
+    ),
+]
+
+
+def _param(case: Case) -> pytest.param:
+    return pytest.param(case, id=case.id, marks=[pytest.mark.slow] if case.slow else [])
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_bad_input_gives_one_line_and_exit_2(case: Case, tmp_path: Path) -> None:
+    tmp, data = tmp_path / "files", tmp_path / "data"
+    tmp.mkdir()
+    data.mkdir()
+    if case.setup is not None:
+        case.setup(tmp)
+    fill = {"tmp": str(tmp.resolve()), "data": str(data.resolve())}
+    args = [a.replace("{tmp}", fill["tmp"]) for a in case.args]  # not str.format: "${nope}" must stay as it is
+    expect = [e.replace("{tmp}", fill["tmp"]).replace("{data}", fill["data"]) for e in case.expect]
+    rc, out, err = run_train(*args, run_dir=tmp_path / "run", data_dir=data)
+    assert_one_line_error(rc, out, err, expect)
+
+
+def test_cases_have_unique_ids() -> None:
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids))
+
+
+# --- nothing already written is lost --------------------------------------------------------------------------------
+
+PREVIOUS_RUN = {  # what an earlier run (and its user) left in the output dir
+    "results.txt": b"my notes: keep me\n",
+    ".hydra/config.yaml": b"task_name: earlier\n",
+    ".hydra/overrides.yaml": b"- algo=fedprox\n",
+    "checkpoints/last.ckpt": bytes(range(256)),
+    "csv/metrics.csv": b"round,test/acc\n0,0.5\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        pytest.param(("algo=nope",), ("algo=",), id="pre-run-check"),
+        pytest.param(("data=mnist",), ("data=mnist",), id="in-run-check", marks=pytest.mark.slow),
+    ],
+)
+def test_bad_command_keeps_existing_output(args: tuple[str, ...], expect: tuple[str, ...], tmp_path: Path) -> None:
+    run_dir, data = tmp_path / "run", tmp_path / "data"
+    data.mkdir()
+    for name, content in PREVIOUS_RUN.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(content)
+    log = run_dir / "train.log"
+    log.write_bytes(b"[earlier run] final test_acc=0.5\n")
+
+    rc, out, err = run_train(*args, run_dir=run_dir, data_dir=data)
+    assert_one_line_error(rc, out, err, list(expect))
+
+    changed = [name for name, content in PREVIOUS_RUN.items() if (run_dir / name).read_bytes() != content]
+    assert not changed, f"a failed command overwrote files of the earlier run in {run_dir}: {changed}"
+    assert log.read_bytes().startswith(b"[earlier run] final test_acc=0.5\n"), "the earlier train.log was truncated"

@@ -1,0 +1,144 @@
+"""End-to-end runs through the real entry points (marked slow: they start Trainers or processes)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import DictConfig
+
+from flx.callbacks.base import FederatedCallback
+from flx.config import precheck
+from flx.run import build, train
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
+SMALL = ["model=logreg", "partition.num_clients=6", "algo.clients_per_round=3", "algo.local_steps=3", *QUIET]
+
+
+def compose(out: Path, *overrides: str) -> DictConfig:
+    return precheck([*overrides, f"paths.output_dir={out}"])
+
+
+class VisitCounter(FederatedCallback):
+    """Test part with per-client state: counts how often each client trained."""
+
+    def on_client_end(self, fed, client) -> None:
+        client.state["visits"] = client.state.get("visits", torch.zeros(())) + 1
+
+
+COUNTER = "+algo.parts.counter._target_=test_train.VisitCounter"
+
+
+def _final(out: Path) -> dict:
+    return torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    """6 rounds == 3 rounds, stop, resume from the round-3 checkpoint to 6 (bitwise, CPU).
+
+    FedAdam server state and a part's per-client state must be restored for this to hold.
+    """
+    base = [*SMALL, "algo=fedadam", "logger=none", COUNTER]
+    train(compose(tmp_path / "a", *base, "algo.rounds=6"))
+    train(compose(tmp_path / "b", *base, "algo.rounds=3"))
+    ckpt = tmp_path / "b" / "checkpoints" / "last.ckpt"
+    train(compose(tmp_path / "c", *base, "algo.rounds=6", f"ckpt_path={ckpt}"))
+    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
+    assert a["epoch"] == c["epoch"]
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    assert a["flx"]["round"] == c["flx"]["round"] == 6
+    for sa, sc in zip(a["flx"]["server_opt"]["m"], c["flx"]["server_opt"]["m"]):
+        assert torch.equal(sa, sc)
+    visits_a = {cid: s["visits"] for cid, s in a["flx"]["store"]["clients"].items()}
+    visits_c = {cid: s["visits"] for cid, s in c["flx"]["store"]["clients"].items()}
+    assert visits_a == visits_c and sum(float(v) for v in visits_a.values()) == 6 * 3
+
+
+def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={out}", "logger=csv"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model."""
+    common = [*SMALL, "model=mlp", "model.dropout=0.2", "algo.rounds=3", "partition.num_clients=8",
+              "algo.clients_per_round=5"]
+    _cli(tmp_path / "one", *common)
+    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
+    one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
+    for k in one["state_dict"]:
+        torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
+
+
+def test_per_client_summary_matches_manual_evaluation(tmp_path: Path) -> None:
+    """val/client_acc_{mean,worst,std} equal the summary of per-client accuracies recomputed by hand."""
+    cfg = compose(tmp_path, *SMALL, "partition.test_fraction=0.3", "logger=csv", "algo.rounds=2")
+    dm, module, trainer = build(cfg)
+    trainer.fit(module, datamodule=dm)
+    logged = trainer.callback_metrics
+    with torch.no_grad():
+        accs = []
+        for idx in dm.client_test:
+            pred = module.net(dm.data.x_train[idx]).argmax(-1)
+            accs.append((pred == dm.data.y_train[idx]).float().mean())
+    accs = torch.stack(accs)
+    torch.testing.assert_close(logged["val/client_acc_mean"], accs.mean(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logged["val/client_acc_worst"], accs.min(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logged["val/client_acc_std"], accs.std(unbiased=False), rtol=0, atol=1e-6)
+    header = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
+    assert "val/client_acc_worst" in header and "val/acc" in header and "fl/round" in header
+
+
+def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for logger in ("wandb", "tensorboard"):
+        out = tmp_path / logger
+        metrics = train(compose(out, *SMALL, f"logger={logger}", "algo.rounds=1", "partition.test_fraction=0.2"))
+        assert "test/acc" in metrics
+    assert list((tmp_path / "wandb").rglob("*.wandb")), "no offline W&B run written"
+    assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*")), "no TensorBoard events written"
+
+
+def _write_tiny_cifar10(root: Path, per_batch: int = 12) -> None:
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                b"labels": [int(v) for v in rng.integers(0, 10, per_batch)]}
+        with open(folder / name, "wb") as f:
+            pickle.dump(data, f)
+
+
+def test_issue_cifar10_command_with_tiny_files(tmp_path: Path) -> None:
+    """`algo=fedprox algo.mu=0.01 data=cifar10 model=resnet18 partition=dirichlet partition.alpha=0.1` runs."""
+    _write_tiny_cifar10(tmp_path / "data")
+    args = ["algo=fedprox", "algo.mu=0.01", "data=cifar10", "model=resnet18", "partition=dirichlet",
+            "partition.alpha=0.1", f"paths.data_dir={tmp_path / 'data'}", "partition.num_clients=4",
+            "algo.clients_per_round=2", "algo.rounds=1", "algo.local_steps=1", "algo.batch_size=8", *QUIET]
+    proc = _cli(tmp_path / "run", *args)
+    assert "final test_acc=" in proc.stdout
+
+
+def test_fast_dev_run_preset(tmp_path: Path) -> None:
+    metrics = train(compose(tmp_path, "debug=fdr", *QUIET))
+    assert 0.0 <= metrics["test/acc"] <= 1.0
+
+
+def test_default_run_reaches_090(tmp_path: Path) -> None:
+    """`make train`'s configuration (FedAvg, digits, MLP, 20 clients, Dirichlet(0.5), 10 per round)."""
+    metrics = train(compose(tmp_path, *QUIET, "logger=none"))
+    assert metrics["test/acc"] >= 0.90
