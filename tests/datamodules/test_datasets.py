@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from flx.datamodules import datasets
+from flx.datamodules import formats
 from flx.datamodules.datasets import (
     LOADERS,
     breast_cancer,
@@ -539,6 +539,6 @@ def test_idx_reader_exact_header(tmp_path: Path) -> None:
     array = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     path = write_file(tmp_path / "x-idx3-ubyte", idx_bytes(array))
     assert path.read_bytes()[:4] == b"\x00\x00\x08\x03"
-    np.testing.assert_array_equal(datasets._read_idx(path, 0x803, "mnist"), array)
+    np.testing.assert_array_equal(formats._read_idx(path, 0x803, "mnist"), array)
     with pytest.raises(ConfigError, match=re.escape(str(path))):
-        datasets._read_idx(path, 0x801, "mnist")
+        formats._read_idx(path, 0x801, "mnist")
