@@ -73,8 +73,14 @@ def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_one_process_equals_two_processes(tmp_path: Path) -> None:
     """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model."""
-    common = [*SMALL, "model=mlp", "model.dropout=0.2", "algo.rounds=3", "partition.num_clients=8",
-              "algo.clients_per_round=5"]
+    common = [
+        *SMALL,
+        "model=mlp",
+        "model.dropout=0.2",
+        "algo.rounds=3",
+        "partition.num_clients=8",
+        "algo.clients_per_round=5",
+    ]
     _cli(tmp_path / "one", *common)
     _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
@@ -117,8 +123,10 @@ def _write_tiny_cifar10(root: Path, per_batch: int = 12) -> None:
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        data = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                b"labels": [int(v) for v in rng.integers(0, 10, per_batch)]}
+        data = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": [int(v) for v in rng.integers(0, 10, per_batch)],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(data, f)
 
@@ -126,9 +134,21 @@ def _write_tiny_cifar10(root: Path, per_batch: int = 12) -> None:
 def test_issue_cifar10_command_with_tiny_files(tmp_path: Path) -> None:
     """`algo=fedprox algo.mu=0.01 data=cifar10 model=resnet18 partition=dirichlet partition.alpha=0.1` runs."""
     _write_tiny_cifar10(tmp_path / "data")
-    args = ["algo=fedprox", "algo.mu=0.01", "data=cifar10", "model=resnet18", "partition=dirichlet",
-            "partition.alpha=0.1", f"paths.data_dir={tmp_path / 'data'}", "partition.num_clients=4",
-            "algo.clients_per_round=2", "algo.rounds=1", "algo.local_steps=1", "algo.batch_size=8", *QUIET]
+    args = [
+        "algo=fedprox",
+        "algo.mu=0.01",
+        "data=cifar10",
+        "model=resnet18",
+        "partition=dirichlet",
+        "partition.alpha=0.1",
+        f"paths.data_dir={tmp_path / 'data'}",
+        "partition.num_clients=4",
+        "algo.clients_per_round=2",
+        "algo.rounds=1",
+        "algo.local_steps=1",
+        "algo.batch_size=8",
+        *QUIET,
+    ]
     proc = _cli(tmp_path / "run", *args)
     assert "final test_acc=" in proc.stdout
 

@@ -40,7 +40,6 @@ def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
 def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig:
     """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure."""
     from hydra import compose, initialize_config_dir
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra", "~hydra"))]
@@ -116,7 +115,13 @@ def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    for key in ("algo.rounds", "algo.clients_per_round", "algo.local_steps", "algo.batch_size", "partition.num_clients"):
+    for key in (
+        "algo.rounds",
+        "algo.clients_per_round",
+        "algo.local_steps",
+        "algo.batch_size",
+        "partition.num_clients",
+    ):
         _int(cfg, key, 1)
     if cfg.algo.get("local_epochs") is not None:
         _int(cfg, "algo.local_epochs", 1)
@@ -183,6 +188,8 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "seed", 0)
     _int(cfg, "eval_every", 1)
     _int(cfg, "data.eval_batch_size", 1)
+    if cfg.get("num_threads") is not None:
+        _int(cfg, "num_threads", 1)
     backend = OmegaConf.select(cfg, "state_store.backend")
     if backend not in ("memory", "disk"):
         raise bad_value("state_store.backend", backend, "allowed: memory, disk")

@@ -315,7 +315,11 @@ class Federation:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"round": self.server.round, "server_opt": self.server_opt.state_dict(), "store": self.store.state_dict()}
+        return {
+            "round": self.server.round,
+            "server_opt": self.server_opt.state_dict(),
+            "store": self.store.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server.round = int(state["round"])

@@ -9,14 +9,15 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as _hydra_instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
 from flx.config import validate
-from flx.errors import ConfigError
 from flx.datamodules.datamodule import FederatedDataModule
+from flx.errors import ConfigError
 from flx.federation import Federation, FederationConfig
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
@@ -70,6 +71,8 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
 
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
+    if cfg.get("num_threads"):
+        torch.set_num_threads(int(cfg.num_threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = FederatedDataModule(
         instantiate(cfg.data.loader), instantiate(cfg.partition), cfg.seed, cfg.data.eval_batch_size

@@ -391,7 +391,10 @@ def test_cifar100_fine_and_coarse(tmp_path: Path) -> None:
     assert torch.equal(fine.x_train, coarse.x_train)
     assert_images(fine.x_test, cifar_images([test]), channel_stats(cifar_images([train])))
     raises_one_line(
-        cifar100, root=str(tmp_path), label="superclass", match="data.loader.label='superclass': must be one of fine, coarse"
+        cifar100,
+        root=str(tmp_path),
+        label="superclass",
+        match="data.loader.label='superclass': must be one of fine, coarse",
     )
 
 
@@ -481,11 +484,15 @@ def test_medmnist_multilabel_label_index(tmp_path: Path) -> None:
     message = raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", match="data.loader.label_index=None")
     assert "multi-label" in message and "0..13" in message
     raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", label_index=14, match="data.loader.label_index=14")
-    raises_one_line(medmnist, root=str(tmp_path), name="chestmnist", label_index=1.0, match="data.loader.label_index=1.0")
+    raises_one_line(
+        medmnist, root=str(tmp_path), name="chestmnist", label_index=1.0, match="data.loader.label_index=1.0"
+    )
 
 
 def test_medmnist_bad_options(tmp_path: Path) -> None:
-    message = raises_one_line(medmnist, root=str(tmp_path), name="organmnist3d", match="data.loader.name='organmnist3d'")
+    message = raises_one_line(
+        medmnist, root=str(tmp_path), name="organmnist3d", match="data.loader.name='organmnist3d'"
+    )
     assert all(name in message for name in ("pathmnist", "chestmnist", "retinamnist", "organsmnist"))
     raises_one_line(medmnist, root=str(tmp_path), size=32, match="data.loader.size=32: must be one of 28, 64, 128, 224")
     raises_one_line(medmnist, root=str(tmp_path), use_val="test", match="data.loader.use_val='test'")

@@ -445,11 +445,8 @@ def _split_among_holders(
     short = np.flatnonzero(holders > by_class.counts)
     if len(short):
         c = short[0]
-        raise bad_value(
-            "partition.num_clients",
-            num_clients,
-            f"class {by_class.values[c]} has {by_class.counts[c]} samples but {holders[c]} clients must share it; {hint}",
-        )
+        why = f"class {by_class.values[c]} has {by_class.counts[c]} samples but {holders[c]} clients must share it"
+        raise bad_value("partition.num_clients", num_clients, f"{why}; {hint}")
     holder_ids = clients[np.argsort(classes, kind="stable")]
     holder_starts = np.cumsum(holders) - holders
     cls = by_class.class_of_position

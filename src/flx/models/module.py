@@ -8,10 +8,10 @@ Lightning's validation/test loops. Metric keys: ``val/acc``, ``val/loss``, ``val
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
@@ -116,10 +116,17 @@ class FederatedModule(pl.LightningModule):
         self._eval_epoch_end("test")
 
     def _log_client_table(self, split: str, per_client: Tensor) -> None:
-        for logger in self.loggers:
-            if isinstance(logger, WandbLogger) and self.trainer.is_global_zero:
-                rows = [[c, float(a)] for c, a in enumerate(per_client.tolist()) if a == a]
-                logger.log_table(key=f"{split}/client_acc_table", columns=["client", "acc"], data=rows)
+        """W&B: the per-client table and a bar chart of it (clients without test samples are left out)."""
+        loggers = [lg for lg in self.loggers if isinstance(lg, WandbLogger)] if self.trainer.is_global_zero else []
+        if not loggers:
+            return
+        import wandb
+
+        rows = [[c, a] for c, a in enumerate(per_client.tolist()) if not math.isnan(a)]
+        table = wandb.Table(columns=["client", "acc"], data=rows)
+        for logger in loggers:
+            bar = wandb.plot.bar(table, "client", "acc", title=f"{split}: accuracy of the global model per client")
+            logger.experiment.log({f"{split}/client_acc_table": table, f"{split}/client_acc_bar": bar})
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
