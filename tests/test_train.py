@@ -63,16 +63,32 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert visits_a == visits_c and sum(float(v) for v in visits_a.values()) == 6 * 3
 
 
+def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
+    """Checkpoints are written at every round boundary; resuming from round 3's equals the 6-round run."""
+    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=6", "callbacks.model_checkpoint.save_top_k=-1"]
+    train(compose(tmp_path / "a", *base))
+    saved = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("epoch*.ckpt"))
+    assert saved == [f"epoch{r:03d}.ckpt" for r in range(6)]
+    round3 = tmp_path / "a" / "checkpoints" / "epoch002.ckpt"
+    assert torch.load(round3, map_location="cpu", weights_only=False)["flx"]["round"] == 3
+    train(compose(tmp_path / "c", *base, f"ckpt_path={round3}"))
+    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    assert a["flx"]["store"]["clients"].keys() == c["flx"]["store"]["clients"].keys()
+
+
 def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={out}", "logger=csv"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests")}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def test_one_process_equals_two_processes(tmp_path: Path) -> None:
-    """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model."""
+    """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model and the
+    same per-client state (every rank's store holds every client's state)."""
     common = [
         *SMALL,
         "model=mlp",
@@ -80,12 +96,15 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
         "algo.rounds=3",
         "partition.num_clients=8",
         "algo.clients_per_round=5",
+        COUNTER,
     ]
     _cli(tmp_path / "one", *common)
     _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
     for k in one["state_dict"]:
         torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
+    visits = [{c: float(s["visits"]) for c, s in ck["flx"]["store"]["clients"].items()} for ck in (one, two)]
+    assert visits[0] == visits[1] and sum(visits[0].values()) == 3 * 5
 
 
 def test_per_client_summary_matches_manual_evaluation(tmp_path: Path) -> None:

@@ -33,15 +33,21 @@ def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
         key, sep, value = ov.lstrip("+~").partition("=")
         if sep and "." not in key and os.path.isdir(os.path.join(config_dir, key)) and value not in ("null", ""):
             allowed = group_options(key, config_dir)
-            if value not in allowed:
-                raise bad_value(key, value, f"unknown option; allowed: {', '.join(allowed)}")
+            for option in value.strip("[]").split(","):  # `logger=[csv,wandb]` selects several
+                if option.strip() not in allowed:
+                    raise bad_value(key, option.strip(), f"unknown option; allowed: {', '.join(allowed)}")
 
 
-def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig:
-    """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure."""
+def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig | None:
+    """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure.
+
+    Returns the composed config, or None for a multirun (its jobs are validated one by one when they start).
+    """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    if any(o in ("-m", "--multirun") for o in overrides):
+        return None  # sweep values (a,b / choice / range) are checked per job, inside the run
     user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra", "~hydra"))]
     _check_groups(user, config_dir)
     try:

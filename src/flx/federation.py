@@ -52,7 +52,7 @@ class FederationConfig:
         server: server optimizer parameters.
     """
 
-    rounds: int = 50
+    rounds: int = 30
     clients_per_round: int = 10
     local_steps: int = 10
     local_epochs: int | None = None
@@ -167,10 +167,17 @@ class Federation:
         rank: int = 0,
         world_size: int = 1,
         step_context: Callable[[], AbstractContextManager] = nullcontext,
+        gather: Callable[[Any], list[Any]] | None = None,
     ) -> None:
-        """Binds the federation to the (single, reused) net, the data and the process group."""
+        """Binds the federation to the (single, reused) net, the data and the process group.
+
+        ``reduce_sum`` all-reduces a tensor (sum); ``gather`` all-gathers a picklable object (rank order);
+        both are only called when ``world_size > 1``.
+        """
         self.net, self.data, self.loss_fn = net, data, loss_fn
         self.reduce_sum, self.rank, self.world_size, self.step_context = reduce_sum, rank, world_size, step_context
+        self.gather = gather
+        self.store.bind_rank(rank, world_size)
         self.set_parts(parts)
         self.params = [p for p in net.parameters() if p.requires_grad]
         buffers = [b for b in net.buffers()]
@@ -223,6 +230,7 @@ class Federation:
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
         self.aggregator.reset()
+        self._state_updates: dict[int, dict[str, Tensor]] = {}
         # weights are added pre-divided by the round's expected total, so one client's mean is its model exactly
         self._weight_scale = 1.0 / sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity))
         for part in self._hooked["on_round_start"]:
@@ -232,6 +240,7 @@ class Federation:
     def end_round(self) -> None:
         """One collective reduce, the parts' server hooks, the server optimizer step."""
         self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
+        self._share_client_states()
         mean = self.aggregator.compute()
         for part in self._hooked["on_server_step"]:
             part.on_server_step(self, self.rnd, mean)
@@ -244,6 +253,19 @@ class Federation:
         self.server.round = self.rnd.round + 1
         for part in self._hooked["on_round_end"]:
             part.on_round_end(self, self.rnd)
+
+    def _share_client_states(self) -> None:
+        """Under N processes, every rank's store receives the client states updated on the other ranks.
+
+        A client may train on another rank next time it is sampled, so each rank keeps every client's state.
+        """
+        if self.world_size == 1 or self.gather is None:
+            return
+        cpu = {cid: {k: v.detach().cpu() for k, v in st.items()} for cid, st in self._state_updates.items()}
+        for rank, updates in enumerate(self.gather(cpu)):
+            if rank != self.rank:
+                for cid, state in updates.items():
+                    self.store.put(cid, state)
 
     # ------------------------------------------------------------------ client
     def client_steps(self, cid: int) -> int:
@@ -288,6 +310,7 @@ class Federation:
         self.aggregator.update(self.local_state, client.weight * self._weight_scale)
         if client.state:
             self.store.put(cid, client.state)
+            self._state_updates[cid] = client.state
         return total / max(client.num_steps, 1)
 
     def _local_steps(self, client: ClientContext) -> Tensor:

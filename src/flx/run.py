@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as _hydra_instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
@@ -60,6 +61,8 @@ def _instantiate_group(group: DictConfig | None) -> list[Any]:
 def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     """The Lightning Trainer with the federated loops installed; ``strategy=ddp`` maps to flx's DDP."""
     callbacks = parts + _instantiate_group(cfg.get("callbacks"))
+    if cfg.trainer.get("enable_progress_bar") is False:
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
     kwargs: dict[str, Any] = {}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):

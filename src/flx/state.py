@@ -35,6 +35,11 @@ class ClientStateStore:
         self._mem: dict[int, ClientState] = {}
         self._on_disk: set[int] = set()
 
+    def bind_rank(self, rank: int, world_size: int) -> None:
+        """Under N processes each rank keeps a full copy; on disk, in its own sub-folder."""
+        if self.backend == "disk" and world_size > 1 and not str(self.directory).endswith(f"rank{rank}"):
+            self.directory = os.path.join(str(self.directory), f"rank{rank}")
+
     def __contains__(self, cid: int) -> bool:
         return cid in self._mem or cid in self._on_disk
 
@@ -78,12 +83,13 @@ class ClientStateStore:
 class ServerState:
     """What the server carries from round to round besides the global model (which is the module's net).
 
+    Server-side quantities of a part (lambda, merged buffers, ...) are the part's own ``state_dict``,
+    saved by Lightning with the callback.
+
     Attributes:
         round: rounds completed.
         optimizer: the server optimizer's ``state_dict``.
-        extras: named server-side quantities owned by parts (lambda, merged buffers, ...), checkpointed whole.
     """
 
     round: int = 0
     optimizer: dict[str, Any] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
@@ -22,6 +23,13 @@ from flx.callbacks.base import FederatedCallback
 from flx.federation import Federation
 from flx.loop import IDLE
 from flx.metrics.client_summary import PerClientAccuracy, summarize
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled through the process group)."""
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 class FederatedModule(pl.LightningModule):
@@ -63,12 +71,18 @@ class FederatedModule(pl.LightningModule):
             self.loss_fn,
             parts=parts,
             reduce_sum=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
+            gather=_all_gather_object,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             step_context=trainer.precision_plugin.train_step_context,
         )
 
     def training_step(self, client_id: int, batch_idx: int) -> Tensor | None:
+        # one client slot = one Lightning optimisation step, so trainer.global_step advances (ModelCheckpoint and
+        # step-based callbacks rely on it) and agrees across ranks (idle slots count too)
+        steps = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        steps.increment_ready()
+        steps.increment_completed()
         if int(client_id) == IDLE:
             return None
         loss = self.federation.train_client(int(client_id))
