@@ -86,10 +86,23 @@ class FederatedModule(pl.LightningModule):
         if int(client_id) == IDLE:
             return None
         loss = self.federation.train_client(int(client_id))
-        self.log("train/loss", loss, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+        self._round_loss = (self._round_loss[0] + loss, self._round_loss[1] + 1)
         return loss
 
+    def on_train_epoch_start(self) -> None:
+        self._round_loss: tuple[Tensor | float, int] = (0.0, 0)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch if isinstance(batch, int) else super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def on_train_epoch_end(self) -> None:
+        # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of this rank's
+        # clients, averaged over ranks weighted by their client counts
+        total, n = self._round_loss
+        if n:
+            self.log("train/loss", total / n, on_epoch=True, batch_size=n, sync_dist=True)
+        if not self.loggers:
+            return
         rnd = self.federation.rnd
         samples = sum(self.federation.num_samples(c) for c in rnd.cohort)
         self.log_dict(

@@ -1,0 +1,179 @@
+"""Builds and times the two sides of a workload: ``trainer.fit`` of an flx run and the plain FedAvg loop.
+
+Both sides get the same data tensors (the flx datamodule's store and client index views), the same model
+class and initial weights, the same hyper-parameters (read from the one composed config) and the same torch
+thread settings. Every run counts its optimizer steps with a global ``torch.optim`` step hook (the same tiny
+cost on both sides), so the script can assert that both sides did the same number of local steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+from plain import FedAvgSpec, FlxRandomness, OwnRandomness, fedavg
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from workloads import Workload
+
+from flx.config import precheck
+from flx.datamodules.datamodule import FederatedDataModule
+from flx.models.module import FederatedModule
+from flx.run import build, instantiate
+
+_OUTPUT_DIR = tempfile.TemporaryDirectory(prefix="flx-bench-")  # paths.output_dir of every run, removed at exit
+
+QUIET_OVERRIDES = (
+    "logger=none",
+    "callbacks=none",
+    "++trainer.enable_progress_bar=false",
+    "++trainer.enable_checkpointing=false",
+    "++trainer.enable_model_summary=false",
+    "++trainer.limit_val_batches=0",
+)
+
+
+@dataclass
+class Run:
+    """One timed run of one side."""
+
+    seconds: float
+    steps: int
+    params: list[Tensor] = field(repr=False)
+
+
+@dataclass
+class FlxBuild:
+    """A built flx run (data, module, trainer) and the initial global weights of its net."""
+
+    cfg: DictConfig
+    dm: FederatedDataModule
+    module: FederatedModule
+    trainer: object
+    init: dict[str, Tensor]
+
+
+def quiet() -> None:
+    """Silences Lightning's info lines and known warnings (nothing of them is timed work)."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def overrides(w: Workload, rounds: int, accelerator: str, out_dir: str, threads: int | None = None) -> list[str]:
+    """The full flx command line of a workload run with validation, logging and checkpoints off."""
+    return [
+        *w.overrides,
+        f"algo.rounds={rounds}",
+        f"eval_every={rounds}",
+        f"trainer.accelerator={accelerator}",
+        f"paths.output_dir={out_dir}",
+        *([f"num_threads={threads}"] if threads else []),
+        *QUIET_OVERRIDES,
+    ]
+
+
+def compose(w: Workload, rounds: int, accelerator: str, threads: int | None = None) -> DictConfig:
+    """The composed, validated config (``flx.config.precheck``), as ``train.py`` would build it."""
+    return precheck(overrides(w, rounds, accelerator, _OUTPUT_DIR.name, threads))
+
+
+def build_flx(cfg: DictConfig) -> FlxBuild:
+    dm, module, trainer = build(cfg)
+    init = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+    return FlxBuild(cfg, dm, module, trainer, init)
+
+
+def spec(cfg: DictConfig) -> FedAvgSpec:
+    """The plain loop's hyper-parameters, from the config the flx run was built from."""
+    a = cfg.algo
+    if a.momentum or a.weight_decay or a.weighting != "num_samples" or a.server.name != "sgd" or a.server.lr != 1:
+        raise ValueError("the plain loop implements FedAvg only: SGD without momentum, n_i weights, server lr 1")
+    return FedAvgSpec(
+        rounds=a.rounds,
+        clients_per_round=a.clients_per_round,
+        batch_size=a.batch_size,
+        lr=float(a.lr),
+        local_steps=a.local_steps,
+        local_epochs=a.get("local_epochs"),
+        seed=cfg.seed,
+    )
+
+
+@contextmanager
+def count_steps() -> Iterator[list[int]]:
+    """Counts ``optimizer.step()`` calls of every torch optimizer inside the block."""
+    counter = [0]
+
+    def hook(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        counter[0] += 1
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        yield counter
+    finally:
+        handle.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> tuple[float, int]:
+    """Wall-clock seconds of ``fn()`` (after a garbage collection) and the optimizer steps it made."""
+    gc.collect()
+    threads = torch.get_num_threads()
+    with count_steps() as steps:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        seconds = time.perf_counter() - start
+    if torch.get_num_threads() != threads:
+        raise RuntimeError(f"the run changed torch's thread count ({threads} -> {torch.get_num_threads()})")
+    return seconds, steps[0]
+
+
+def _params(net: nn.Module) -> list[Tensor]:
+    return [p.detach().cpu().clone() for p in net.parameters()]
+
+
+def run_flx(b: FlxBuild) -> Run:
+    """Times ``trainer.fit`` (the whole federated training) of a built run."""
+    seconds, steps = timed(lambda: b.trainer.fit(b.module, datamodule=b.dm), b.trainer.strategy.root_device)
+    done = b.module.federation.server.round
+    if done != b.cfg.algo.rounds:
+        raise RuntimeError(f"flx ran {done} rounds, expected {b.cfg.algo.rounds}")
+    return Run(seconds, steps, _params(b.module.net))
+
+
+def run_plain(b: FlxBuild, matched: bool) -> Run:
+    """Times the plain loop on the build's data, model class and initial weights.
+
+    Args:
+        b: the flx build whose data, model config and initial weights are used (its trainer is not touched).
+        matched: draw flx's cohorts and minibatches (for the equivalence check) instead of the loop's own.
+    """
+    device = b.trainer.strategy.root_device
+    data = b.dm.data
+    net = instantiate(b.cfg.model, input_shape=list(data.input_shape), num_classes=data.num_classes).to(device)
+    net.load_state_dict(b.init)
+    x, y = data.x_train.to(device), data.y_train.to(device)
+    clients: Sequence[Tensor] = [c.to(device) for c in b.dm.client_train]
+    s = spec(b.cfg)
+    rand = FlxRandomness(s.seed) if matched else OwnRandomness(s.seed)
+    seconds, steps = timed(lambda: fedavg(net, x, y, clients, s, rand), device)
+    return Run(seconds, steps, _params(net))
+
+
+def max_abs_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a, b))
