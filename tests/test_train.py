@@ -181,3 +181,13 @@ def test_default_run_reaches_090(tmp_path: Path) -> None:
     """`make train`'s configuration (FedAvg, digits, MLP, 20 clients, Dirichlet(0.5), 10 per round)."""
     metrics = train(compose(tmp_path, *QUIET, "logger=none"))
     assert metrics["test/acc"] >= 0.90
+
+
+def test_validation_runs_every_eval_every_rounds(tmp_path: Path) -> None:
+    """eval_every=2 over 5 rounds: Lightning's validation loop runs after rounds 2 and 4 only."""
+    train(compose(tmp_path, *SMALL, "logger=csv", "algo.rounds=5", "eval_every=2"))
+    rows = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    epoch, acc = header.index("epoch"), header.index("val/acc")
+    validated = sorted({int(r.split(",")[epoch]) for r in rows[1:] if r.split(",")[acc]})
+    assert validated == [1, 3]  # epochs are 0-based: rounds 2 and 4

@@ -6,6 +6,7 @@ No algorithm logic here: configs pick classes with ``_target_``.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,6 +24,10 @@ from flx.federation import Federation, FederationConfig
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
+
+
+# flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem
+warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimizers` returned `None`.*")
 
 
 def instantiate(cfg: Any, **kwargs: Any) -> Any:
