@@ -25,7 +25,6 @@ from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 
-
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem
 warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimizers` returned `None`.*")
 
