@@ -191,3 +191,45 @@ def test_validation_runs_every_eval_every_rounds(tmp_path: Path) -> None:
     epoch, acc = header.index("epoch"), header.index("val/acc")
     validated = sorted({int(r.split(",")[epoch]) for r in rows[1:] if r.split(",")[acc]})
     assert validated == [1, 3]  # epochs are 0-based: rounds 2 and 4
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-mixed"])
+def test_precision_plugins(tmp_path: Path, precision: str) -> None:
+    """Lightning's precision settings reach local training: fp64 trains an fp64 net on fp64 data."""
+    dm, module, trainer = build(
+        compose(tmp_path, *SMALL, "logger=none", "algo.rounds=2", f"trainer.precision={precision}")
+    )
+    trainer.fit(module, datamodule=dm)
+    expected = torch.float64 if precision == "64-true" else torch.float32
+    assert next(module.net.parameters()).dtype == expected and dm.clients.x.dtype == expected
+    assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
+
+
+def test_disk_state_store_matches_memory(tmp_path: Path) -> None:
+    """state_store.backend=disk keeps one file per client and checkpoints the same state as memory."""
+    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=3"]
+    train(compose(tmp_path / "mem", *base))
+    train(compose(tmp_path / "disk", *base, "state_store.backend=disk"))
+    mem, disk = _final(tmp_path / "mem"), _final(tmp_path / "disk")
+    assert mem["flx"]["store"]["clients"].keys() == disk["flx"]["store"]["clients"].keys()
+    for cid, state in mem["flx"]["store"]["clients"].items():
+        assert torch.equal(state["visits"], disk["flx"]["store"]["clients"][cid]["visits"])
+    assert len(list((tmp_path / "disk" / "client_state").glob("client_*.pt"))) == len(mem["flx"]["store"]["clients"])
+
+
+def test_multirun_sweep(tmp_path: Path) -> None:
+    """`-m algo.lr=0.01,0.05` runs one job per value (the pre-run check leaves sweeps to the jobs)."""
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "algo.lr=0.01,0.05",
+        "debug=default",
+        "logger=none",
+        f"hydra.sweep.dir={tmp_path}",
+        *QUIET,
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("final test_acc=") == 2

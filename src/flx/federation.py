@@ -150,7 +150,7 @@ class Federation:
 
     def __init__(self, cfg: FederationConfig, store: ClientStateStore | None = None) -> None:
         self.cfg = cfg
-        self.store = store or ClientStateStore()
+        self.store = store if store is not None else ClientStateStore()  # an empty store is falsy (len 0)
         self.server = ServerState()
         self.parts: list[FederatedCallback] = []
         self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}

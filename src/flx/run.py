@@ -86,7 +86,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     )
     dm.setup("fit")
     net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
-    store = ClientStateStore(cfg.get("state_store", {}).get("backend", "memory"), cfg.get("state_store", {}).get("dir"))
+    store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients)
     parts = _instantiate_group(cfg.algo.get("parts"))
