@@ -5,6 +5,7 @@ No algorithm logic here: configs pick classes with ``_target_``.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
@@ -25,8 +26,11 @@ from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 
-# flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem
+# flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
+# the pytree notice is Lightning's own deprecation, not the user's
 warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimizers` returned `None`.*")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
 
 
 def instantiate(cfg: Any, **kwargs: Any) -> Any:
