@@ -87,6 +87,10 @@ class FederatedDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> RoundLoader:
         return RoundLoader()
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """A training "batch" is a client id: nothing to move (saves Lightning's generic collection walk)."""
+        return batch if isinstance(batch, int) else super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def _rank_rows(self, n: int) -> Tensor:
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)

@@ -92,9 +92,6 @@ class FederatedModule(pl.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._round_loss: tuple[Tensor | float, int] = (0.0, 0)
 
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        return batch if isinstance(batch, int) else super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def on_train_epoch_end(self) -> None:
         # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of this rank's
         # clients, averaged over ranks weighted by their client counts
