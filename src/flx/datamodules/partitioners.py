@@ -14,12 +14,22 @@ then called as ``split = partitioner(labels, seed)``. Bad values raise :class:`f
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from flx.datamodules.partition_ops import (
+    as_labels,
+    balanced_class_choice,
+    check_is_partition,
+    counts_from_proportions,
+    group_by_class,
+    integer,
+    parts_from_owners,
+    positive,
+    real,
+    split_among_holders,
+)
 from flx.errors import bad_value
 
 DIRICHLET_MAX_TRIES = 1000
@@ -42,31 +52,6 @@ class ClientSplit:
     def num_clients(self) -> int:
         """Number of clients."""
         return len(self.train)
-
-
-@dataclass(frozen=True)
-class _ByClass:
-    """Sample indices grouped by class.
-
-    Attributes:
-        values: the distinct labels, ascending.
-        counts: samples per class, aligned with ``values``.
-        order: all sample indices, class-major (class ``values[0]`` first), shuffled within each class.
-    """
-
-    values: np.ndarray
-    counts: np.ndarray
-    order: np.ndarray
-
-    @property
-    def class_of_position(self) -> np.ndarray:
-        """The class id (position in ``values``) of each entry of ``order``."""
-        return np.repeat(np.arange(len(self.counts)), self.counts)
-
-    @property
-    def starts(self) -> np.ndarray:
-        """Offset in ``order`` where each class begins."""
-        return np.cumsum(self.counts) - self.counts
 
 
 class Partitioner:
@@ -119,20 +104,20 @@ class Partitioner:
         Raises:
             ConfigError: a parameter is invalid or cannot be satisfied by these labels.
         """
-        labels = _as_labels(labels)
+        labels = as_labels(labels)
         self._check_params()
         self._check_fits(len(labels))
         rng = np.random.default_rng(seed)
         parts = [np.sort(np.asarray(part, dtype=np.int64)) for part in self.assign(labels, rng)]
-        _check_is_partition(parts, len(labels), self.num_clients, type(self).__name__)
+        check_is_partition(parts, len(labels), self.num_clients, type(self).__name__)
         self._check_min_size(parts)
         return self._split_test(parts, rng)
 
     def _check_params(self) -> None:
         """Validates the parameters that do not depend on the data."""
-        self.num_clients = _integer("partition.num_clients", self.num_clients, low=1)
-        self.min_size = _integer("partition.min_size", self.min_size, low=1)
-        self.test_fraction = _real("partition.test_fraction", self.test_fraction, "must be a number in [0, 1)")
+        self.num_clients = integer("partition.num_clients", self.num_clients, low=1)
+        self.min_size = integer("partition.min_size", self.min_size, low=1)
+        self.test_fraction = real("partition.test_fraction", self.test_fraction, "must be a number in [0, 1)")
         if not 0.0 <= self.test_fraction < 1.0:
             raise bad_value("partition.test_fraction", self.test_fraction, "must be in [0, 1)")
 
@@ -207,21 +192,21 @@ class Dirichlet(Partitioner):
 
     def _check_params(self) -> None:
         super()._check_params()
-        self.alpha = _positive("partition.alpha", self.alpha)
+        self.alpha = positive("partition.alpha", self.alpha)
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Draws a class-by-client count matrix, then deals each class's shuffled samples by it."""
-        by_class = _group_by_class(labels, rng)
+        by_class = group_by_class(labels, rng)
         counts = self._draw_counts(by_class.counts, rng)
         owners = np.repeat(np.tile(np.arange(self.num_clients), len(by_class.counts)), counts.ravel())
-        return _parts_from_owners(by_class.order, owners, self.num_clients)
+        return parts_from_owners(by_class.order, owners, self.num_clients)
 
     def _draw_counts(self, class_counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Returns a ``(classes, clients)`` count matrix whose column sums are all ``>= min_size``."""
         concentration = np.full(self.num_clients, self.alpha)
         for _ in range(DIRICHLET_MAX_TRIES):
             proportions = rng.dirichlet(concentration, size=len(class_counts))
-            counts = _counts_from_proportions(proportions, class_counts)
+            counts = counts_from_proportions(proportions, class_counts)
             if counts.sum(axis=0).min() >= self.min_size:
                 return counts
         raise bad_value(
@@ -257,11 +242,11 @@ class Shards(Partitioner):
 
     def _check_params(self) -> None:
         super()._check_params()
-        self.classes_per_client = _integer("partition.classes_per_client", self.classes_per_client, low=1)
+        self.classes_per_client = integer("partition.classes_per_client", self.classes_per_client, low=1)
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Picks each client's classes (least-used first, ties at random), then splits each class evenly."""
-        by_class = _group_by_class(labels, rng)
+        by_class = group_by_class(labels, rng)
         num_classes = len(by_class.counts)
         if self.classes_per_client > num_classes:
             raise bad_value(
@@ -277,10 +262,10 @@ class Shards(Partitioner):
                 f"{self.num_clients * self.classes_per_client} of the {num_classes} classes present, "
                 "so some samples would be unassigned; need num_clients * classes_per_client >= number of classes",
             )
-        chosen = _balanced_class_choice(num_classes, self.num_clients, self.classes_per_client, rng)
+        chosen = balanced_class_choice(num_classes, self.num_clients, self.classes_per_client, rng)
         clients = np.repeat(np.arange(self.num_clients), self.classes_per_client)
         hint = "use fewer clients or a smaller partition.classes_per_client"
-        return _split_among_holders(by_class, clients, chosen.ravel(), self.num_clients, hint)
+        return split_among_holders(by_class, clients, chosen.ravel(), self.num_clients, hint)
 
 
 class OneClass(Partitioner):
@@ -294,7 +279,7 @@ class OneClass(Partitioner):
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Assigns classes round-robin and splits each class evenly among its clients."""
-        by_class = _group_by_class(labels, rng)
+        by_class = group_by_class(labels, rng)
         num_classes = len(by_class.counts)
         if self.num_clients < num_classes:
             raise bad_value(
@@ -304,7 +289,7 @@ class OneClass(Partitioner):
                 "otherwise some samples would be unassigned",
             )
         clients = np.arange(self.num_clients)
-        return _split_among_holders(by_class, clients, clients % num_classes, self.num_clients, "use fewer clients")
+        return split_among_holders(by_class, clients, clients % num_classes, self.num_clients, "use fewer clients")
 
 
 class QuantitySkew(Partitioner):
@@ -325,13 +310,13 @@ class QuantitySkew(Partitioner):
 
     def _check_params(self) -> None:
         super()._check_params()
-        self.alpha = _positive("partition.alpha", self.alpha)
+        self.alpha = positive("partition.alpha", self.alpha)
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Gives each client ``min_size`` samples plus a Dirichlet share of the rest, from a random permutation."""
         spare = np.array([len(labels) - self.num_clients * self.min_size])
         proportions = rng.dirichlet(np.full(self.num_clients, self.alpha))[None, :]
-        sizes = self.min_size + _counts_from_proportions(proportions, spare)[0]
+        sizes = self.min_size + counts_from_proportions(proportions, spare)[0]
         return np.split(rng.permutation(len(labels)), np.cumsum(sizes)[:-1])
 
 
@@ -343,113 +328,3 @@ PARTITIONERS: dict[str, type[Partitioner]] = {
     "quantity_skew": QuantitySkew,
 }
 """Partitioners by their config name."""
-
-
-def _integer(key: str, value: Any, low: int) -> int:
-    """Returns ``value`` as an int, or raises if it is not an integer ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise bad_value(key, value, f"must be an integer >= {low}")
-    return int(value)
-
-
-def _real(key: str, value: Any, allowed: str) -> float:
-    """Returns ``value`` as a float, or raises if it is not a finite real number."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise bad_value(key, value, allowed)
-    return float(value)
-
-
-def _positive(key: str, value: Any) -> float:
-    """Returns ``value`` as a float, or raises if it is not a finite number ``> 0``."""
-    number = _real(key, value, "must be a finite number > 0")
-    if number <= 0:
-        raise bad_value(key, value, "must be > 0")
-    return number
-
-
-def _as_labels(labels: np.ndarray) -> np.ndarray:
-    """Checks that ``labels`` is a 1-D integer array."""
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"labels must be a 1-D integer array, got shape {labels.shape} and dtype {labels.dtype}")
-    return labels
-
-
-def _check_is_partition(parts: list[np.ndarray], num_samples: int, num_clients: int, who: str) -> None:
-    """Guards against a faulty :meth:`Partitioner.assign`: exactly one array per client, each index exactly once."""
-    flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-    ok = len(parts) == num_clients and len(flat) == num_samples
-    ok = ok and (num_samples == 0 or (flat.min() >= 0 and flat.max() < num_samples))
-    if not ok or np.bincount(flat, minlength=num_samples).max(initial=1) != 1:
-        raise RuntimeError(f"{who}.assign did not return a partition of range({num_samples}) into {num_clients} parts")
-
-
-def _group_by_class(labels: np.ndarray, rng: np.random.Generator) -> _ByClass:
-    """Groups the sample indices by class, in random order within each class."""
-    values, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
-    perm = rng.permutation(len(labels))
-    order = perm[np.argsort(inverse[perm], kind="stable")]
-    return _ByClass(values=values, counts=counts, order=order)
-
-
-def _parts_from_owners(indices: np.ndarray, owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
-    """Turns "sample ``indices[i]`` belongs to client ``owners[i]``" into one index array per client."""
-    by_owner = np.argsort(owners, kind="stable")
-    bounds = np.cumsum(np.bincount(owners, minlength=num_clients))[:-1]
-    return np.split(indices[by_owner], bounds)
-
-
-def _counts_from_proportions(proportions: np.ndarray, totals: np.ndarray) -> np.ndarray:
-    """Rounds each row of ``proportions`` times its total to integer counts that sum exactly to the total."""
-    edges = np.floor(np.cumsum(proportions, axis=1) * totals[:, None]).astype(np.int64)
-    edges = np.minimum(edges, totals[:, None])
-    edges[:, -1] = totals
-    return np.diff(edges, axis=1, prepend=0)
-
-
-def _balanced_class_choice(num_classes: int, num_clients: int, per_client: int, rng: np.random.Generator) -> np.ndarray:
-    """Picks ``per_client`` distinct classes for each client, always among the least-held classes.
-
-    Returns:
-        A ``(num_clients, per_client)`` array of class ids. Class hold counts differ by at most one.
-    """
-    held = np.zeros(num_classes)
-    chosen = np.empty((num_clients, per_client), dtype=np.int64)
-    for client in range(num_clients):
-        # held counts are integers, so the uniform jitter only breaks ties among equally-held classes
-        pick = np.argpartition(held + rng.random(num_classes), per_client - 1)[:per_client]
-        chosen[client] = pick
-        held[pick] += 1
-    return chosen
-
-
-def _split_among_holders(
-    by_class: _ByClass, clients: np.ndarray, classes: np.ndarray, num_clients: int, hint: str
-) -> list[np.ndarray]:
-    """Splits each class's samples evenly (sizes differ by at most one) among the clients that hold it.
-
-    Args:
-        by_class: the samples grouped by class.
-        clients: client ids of the (client, class) holdings.
-        classes: class ids (positions in ``by_class.values``) of the holdings, aligned with ``clients``.
-        num_clients: number of clients.
-        hint: advice appended to the error when a class has fewer samples than holders.
-
-    Raises:
-        ConfigError: some class has fewer samples than clients holding it (a client would miss that class).
-        RuntimeError: some class is held by no client.
-    """
-    holders = np.bincount(classes, minlength=len(by_class.counts))
-    if holders.min() < 1:
-        raise RuntimeError("every class must be held by at least one client, or its samples are lost")
-    short = np.flatnonzero(holders > by_class.counts)
-    if len(short):
-        c = short[0]
-        why = f"class {by_class.values[c]} has {by_class.counts[c]} samples but {holders[c]} clients must share it"
-        raise bad_value("partition.num_clients", num_clients, f"{why}; {hint}")
-    holder_ids = clients[np.argsort(classes, kind="stable")]
-    holder_starts = np.cumsum(holders) - holders
-    cls = by_class.class_of_position
-    rank = np.arange(len(cls)) - by_class.starts[cls]
-    share = rank * holders[cls] // by_class.counts[cls]
-    return _parts_from_owners(by_class.order, holder_ids[holder_starts[cls] + share], num_clients)
