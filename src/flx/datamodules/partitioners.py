@@ -171,7 +171,19 @@ class IID(Partitioner):
         return np.array_split(rng.permutation(len(labels)), self.num_clients)
 
 
-class Dirichlet(Partitioner):
+class _AlphaPartitioner(Partitioner):
+    """A partitioner with a Dirichlet concentration ``alpha > 0`` (``partition.alpha``)."""
+
+    def __init__(self, num_clients: int, alpha: float = 0.5, *, test_fraction: float = 0.0, min_size: int = 1) -> None:
+        self.alpha = alpha
+        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size)
+
+    def _check_params(self) -> None:
+        super()._check_params()
+        self.alpha = positive("partition.alpha", self.alpha)
+
+
+class Dirichlet(_AlphaPartitioner):
     """Label skew: each class is spread over the clients with proportions drawn from ``Dir(alpha * 1)``.
 
     Small ``alpha`` gives clients dominated by few classes; large ``alpha`` approaches IID. The proportions are
@@ -185,14 +197,6 @@ class Dirichlet(Partitioner):
     """
 
     name = "dirichlet"
-
-    def __init__(self, num_clients: int, alpha: float = 0.5, *, test_fraction: float = 0.0, min_size: int = 1) -> None:
-        self.alpha = alpha
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size)
-
-    def _check_params(self) -> None:
-        super()._check_params()
-        self.alpha = positive("partition.alpha", self.alpha)
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Draws a class-by-client count matrix, then deals each class's shuffled samples by it."""
@@ -292,7 +296,7 @@ class OneClass(Partitioner):
         return split_among_holders(by_class, clients, clients % num_classes, self.num_clients, "use fewer clients")
 
 
-class QuantitySkew(Partitioner):
+class QuantitySkew(_AlphaPartitioner):
     """Size skew: labels are IID but client sizes follow ``Dir(alpha * 1)`` proportions (each at least ``min_size``).
 
     Args:
@@ -303,14 +307,6 @@ class QuantitySkew(Partitioner):
     """
 
     name = "quantity_skew"
-
-    def __init__(self, num_clients: int, alpha: float = 0.5, *, test_fraction: float = 0.0, min_size: int = 1) -> None:
-        self.alpha = alpha
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size)
-
-    def _check_params(self) -> None:
-        super()._check_params()
-        self.alpha = positive("partition.alpha", self.alpha)
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Gives each client ``min_size`` samples plus a Dirichlet share of the rest, from a random permutation."""
