@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -189,8 +190,13 @@ def test_validation_runs_every_eval_every_rounds(tmp_path: Path) -> None:
     rows = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     epoch, acc = header.index("epoch"), header.index("val/acc")
-    validated = sorted({int(r.split(",")[epoch]) for r in rows[1:] if r.split(",")[acc]})
-    assert validated == [1, 3]  # epochs are 0-based: rounds 2 and 4
+    logged = {int(r.split(",")[epoch]) + 1: float(r.split(",")[acc]) for r in rows[1:] if r.split(",")[acc]}
+    assert sorted(logged) == [2, 4]  # rounds 2 and 4 (Lightning's epochs are 0-based)
+    # the curves written at the end hold exactly the logged values, against the round
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert {r: v for r, v in curves["val/acc"]} == pytest.approx(logged, abs=1e-7)
+    assert [r for r, _ in curves["train/loss"]] == [1, 2, 3, 4, 5]
+    assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("precision", ["64-true", "bf16-mixed"])

@@ -1,0 +1,85 @@
+"""Learning curves per round, saved as ``<output_dir>/curves.png`` (and ``curves.json``) when fit ends.
+
+A plain Lightning callback: it reads the round-level metrics Lightning already computed, so it works with
+any logger (or none) and costs nothing per client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+TRACKED = ("train/loss", "val/loss", "val/acc", "val/client_acc_mean", "val/client_acc_worst")
+
+
+class RoundCurves(pl.Callback):
+    """Collects ``TRACKED`` metrics at every round end and plots them against the round.
+
+    Args:
+        dirpath: where to write ``curves.png`` / ``curves.json`` (default: the trainer's root dir).
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def _record(self, trainer: pl.Trainer) -> None:
+        """Records round ``current_epoch`` (1-based): called once its training, validation and logging are done."""
+        rnd, metrics, every = trainer.current_epoch, trainer.callback_metrics, trainer.check_val_every_n_epoch
+        validated = every is None or rnd % every == 0
+        for key in TRACKED:
+            fresh = not self.history[key] or self.history[key][-1][0] != rnd
+            if key in metrics and fresh and (validated or not key.startswith("val/")):
+                self.history[key].append((rnd, float(metrics[key])))
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the previous round is complete here: the module logs its round metrics after the callbacks' epoch-end hooks
+        if trainer.current_epoch > 0:
+            self._record(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer)
+
+    @override
+    def state_dict(self) -> dict[str, list[tuple[int, float]]]:
+        return dict(self.history)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, list[tuple[int, float]]]) -> None:
+        self.history = defaultdict(list, {k: [tuple(p) for p in v] for k, v in state_dict.items()})
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero or not self.history or trainer.fast_dev_run:
+            return
+        folder = self.dirpath or trainer.default_root_dir
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "curves.json"), "w") as f:
+            json.dump(self.history, f, indent=1)
+        self._plot(os.path.join(folder, "curves.png"))
+
+    def _plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for key, points in self.history.items():
+            ax = ax_loss if key.endswith("loss") else ax_acc
+            ax.plot(*zip(*points), marker="o", markersize=2.5, label=key)
+        for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy of the global model")):
+            ax.set_xlabel("round")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
