@@ -99,8 +99,9 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
         "algo.clients_per_round=5",
         COUNTER,
     ]
-    _cli(tmp_path / "one", *common)
-    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
+    acc_one = _cli(tmp_path / "one", *common).stdout.split("final test_acc=")[1].split()[0]
+    acc_two = _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2").stdout.split("final test_acc=")[1]
+    assert acc_one == acc_two.split()[0]  # each rank evaluates a shard of the test set; the metric syncs them
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
     for k in one["state_dict"]:
         torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
