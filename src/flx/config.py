@@ -41,17 +41,19 @@ def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
 def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig | None:
     """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure.
 
-    Returns the composed config, or None for a multirun (its jobs are validated one by one when they start).
+    Returns the composed config, or None when Hydra flags are given (e.g. ``-m``: jobs are validated as they start).
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    if any(o in ("-m", "--multirun") for o in overrides):
-        return None  # sweep values (a,b / choice / range) are checked per job, inside the run
-    user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra", "~hydra"))]
+    if any(o.startswith("-") for o in overrides):
+        # Hydra's own flags: -m sweeps (their values are checked per job, inside the run), --cfg/--info/--help
+        # introspection, --config-name/-cp selecting another config: leave the command line to Hydra
+        return None
+    user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     _check_groups(user, config_dir)
     try:
-        OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("-")])
+        OverridesParser.create().parse_overrides(list(overrides))
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             cfg = compose(config_name, overrides=user)
     except Exception as e:  # Hydra's exceptions carry multi-line messages: fold them into one line
