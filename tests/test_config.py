@@ -240,3 +240,10 @@ def test_bad_command_keeps_existing_output(args: tuple[str, ...], expect: tuple[
     changed = [name for name, content in PREVIOUS_RUN.items() if (run_dir / name).read_bytes() != content]
     assert not changed, f"a failed command overwrote files of the earlier run in {run_dir}: {changed}"
     assert log.read_bytes().startswith(b"[earlier run] final test_acc=0.5\n"), "the earlier train.log was truncated"
+
+
+def test_hydra_flags_are_left_to_hydra(tmp_path: Path) -> None:
+    """`--cfg job` prints the composed config instead of being read as an override named 'job'."""
+    rc, out, err = run_train("--cfg", "job", "algo=fedprox", run_dir=tmp_path / "run", data_dir=tmp_path / "data")
+    assert rc == 0, err
+    assert "name: fedprox" in out and "mu: 0.01" in out
