@@ -240,3 +240,11 @@ def test_multirun_sweep(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("final test_acc=") == 2
+
+
+def test_binary_imbalanced_digits_config(tmp_path: Path) -> None:
+    """`data=digits_binary`: 2 classes, positives 1/6 of the training split, trains end to end."""
+    dm, module, trainer = build(compose(tmp_path, *SMALL, "logger=none", "algo.rounds=1", "data=digits_binary"))
+    assert dm.data.num_classes == 2
+    assert abs(float(dm.data.y_train.float().mean()) - 1 / 6) < 1 / len(dm.data.y_train)
+    trainer.fit(module, datamodule=dm)
