@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import DictConfig
+from sklearn.metrics import roc_auc_score
 
 from flx.callbacks.base import FederatedCallback
 from flx.config import precheck
@@ -243,8 +244,14 @@ def test_multirun_sweep(tmp_path: Path) -> None:
 
 
 def test_binary_imbalanced_digits_config(tmp_path: Path) -> None:
-    """`data=digits_binary`: 2 classes, positives 1/6 of the training split, trains end to end."""
+    """`data=digits_binary`: 2 classes, positives 1/6 of the training split; test AUROC / pAUC equal sklearn's."""
     dm, module, trainer = build(compose(tmp_path, *SMALL, "logger=none", "algo.rounds=1", "data=digits_binary"))
     assert dm.data.num_classes == 2
     assert abs(float(dm.data.y_train.float().mean()) - 1 / 6) < 1 / len(dm.data.y_train)
     trainer.fit(module, datamodule=dm)
+    metrics = trainer.test(module, datamodule=dm, verbose=False)[0]
+    with torch.no_grad():
+        logits = module.net(dm.data.x_test)
+    scores, y = (logits[:, 1] - logits[:, 0]).numpy(), dm.data.y_test.numpy()
+    assert metrics["test/auroc"] == pytest.approx(roc_auc_score(y, scores), abs=1e-6)
+    assert metrics["test/pauc_0.3"] == pytest.approx(roc_auc_score(y, scores, max_fpr=0.3), abs=1e-6)

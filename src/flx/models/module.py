@@ -3,6 +3,7 @@
 It owns the single reused net and the :class:`~flx.federation.Federation`. ``training_step`` receives a
 client id (one "batch" = one client) and trains that client; evaluation of the global model runs in
 Lightning's validation/test loops. Metric keys: ``val/acc``, ``val/loss``, ``val/client_acc_{mean,worst,std}``,
+binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``,
 ``test/*`` likewise, round-level keys under ``fl/``.
 """
 
@@ -22,6 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from flx.callbacks.base import FederatedCallback
 from flx.federation import Federation
 from flx.loop import IDLE
+from flx.metrics.auc import AUROCs
 from flx.metrics.client_summary import PerClientAccuracy, summarize
 
 
@@ -49,6 +51,8 @@ class FederatedModule(pl.LightningModule):
         self.acc = nn.ModuleDict({s: MulticlassAccuracy(num_classes, average="micro") for s in ("val", "test")})
         self.loss_mean = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
         self.client_acc = nn.ModuleDict({s: PerClientAccuracy(num_clients) for s in ("val", "test")})
+        # binary tasks also get AUROC and standardised pAUC (FPR <= 0.3, 0.5) of the score logit_1 - logit_0
+        self.auc = nn.ModuleDict({s: AUROCs() for s in ("val", "test")}) if num_classes == 2 else None
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -114,6 +118,8 @@ class FederatedModule(pl.LightningModule):
         if dataloader_idx == 0:
             self.acc[split].update(logits, batch[1])
             self.loss_mean[split].update(F.cross_entropy(logits, batch[1]), weight=len(batch[1]))
+            if self.auc is not None:
+                self.auc[split].update(logits[:, 1] - logits[:, 0], batch[1])
         else:
             self.client_acc[split].update(logits, batch[1], batch[2])
 
@@ -126,6 +132,10 @@ class FederatedModule(pl.LightningModule):
     def _eval_epoch_end(self, split: str) -> None:
         self.log(f"{split}/acc", self.acc[split], add_dataloader_idx=False)
         self.log(f"{split}/loss", self.loss_mean[split], add_dataloader_idx=False)
+        if self.auc is not None:
+            for key, value in self.auc[split].compute().items():
+                self.log(f"{split}/{key}", value.float(), add_dataloader_idx=False)
+            self.auc[split].reset()
         if self.trainer.datamodule.has_client_test:
             per_client = self.client_acc[split].compute()
             self.client_acc[split].reset()
