@@ -198,3 +198,40 @@ def test_shard_greedy_partitions_and_balances(world: int) -> None:
 def test_derive_seed_streams_differ() -> None:
     seeds = {derive_seed(0, r, c) for r in range(20) for c in range(20)}
     assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)
+
+
+class _FixedRows(FederatedCallback):
+    """Test part: every local step uses the given rows (or defers with None)."""
+
+    def __init__(self, rows: torch.Tensor | None) -> None:
+        self.rows = rows
+
+    def sample_batch(self, fed, client):
+        return self.rows
+
+
+def test_sample_batch_hook_sets_the_minibatch() -> None:
+    """With rows R at every step, K local steps are K full-batch GD steps on R (one client, float64)."""
+    data = toy_data([12], dtype=torch.float64)
+    rows = torch.tensor([0, 3, 5, 11])
+    net = linear(dtype=torch.float64)
+    run_rounds(make_fed(net, data, parts=[_FixedRows(rows)], clients_per_round=1, local_steps=3, lr=0.4), 1)
+    ref = linear(dtype=torch.float64)
+    for _ in range(3):
+        ref.zero_grad()
+        F.cross_entropy(ref(data.x[rows]), data.y[rows]).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.4 * p.grad
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_sample_batch_deferring_keeps_the_default_stream() -> None:
+    data = toy_data([9, 14])
+    kw = dict(clients_per_round=2, local_steps=4, batch_size=4, lr=0.1)
+    plain, deferring = make_fed(linear(), data, **kw), make_fed(linear(), data, parts=[_FixedRows(None)], **kw)
+    run_rounds(plain, 2)
+    run_rounds(deferring, 2)
+    for a, b in zip(plain.net.parameters(), deferring.net.parameters()):
+        assert torch.equal(a, b)

@@ -323,9 +323,13 @@ class Federation:
         opt.state.clear()  # a fresh local optimizer per client
         total = torch.zeros((), device=self.params[0].device)
         idx = self.data.client_indices[client.cid]
+        default = local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator)
         with self.step_context():
-            for k, batch in enumerate(local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator)):
-                client.step, client.batch = k, (x[batch], y[batch])
+            for k in range(client.num_steps):
+                client.step = k
+                rows = self._part_batch(client)
+                rows = next(default) if rows is None else rows  # the default stream advances only when used
+                client.batch = (x[rows], y[rows])
                 opt.zero_grad(set_to_none=True)
                 client.outputs = self.net(client.batch[0])
                 loss = self.loss_fn(client.outputs, client.batch[1])
@@ -340,6 +344,13 @@ class Federation:
                 total += loss.detach()
         client.batch = client.outputs = None
         return total
+
+    def _part_batch(self, client: ClientContext) -> Tensor | None:
+        for part in self._hooked["sample_batch"]:
+            rows = part.sample_batch(self, client)
+            if rows is not None:
+                return rows
+        return None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ Client side (per client, on the rank that trains it):
 
 =====================  ==========================================================================
 ``on_client_start``    global weights copied in; load client state, set masks / weight
+``sample_batch``       the step's minibatch (row indices into the store); first non-None wins
 ``local_loss``         add (or replace) terms of the local objective; returns the loss
 ``on_local_grad``      after backward, before the optimizer step (gradient transforms)
 ``on_local_step_end``  after the optimizer step (prox operators, snapshots, recording)
@@ -42,6 +43,7 @@ HOOKS = (
     "on_server_step",
     "on_round_end",
     "on_client_start",
+    "sample_batch",
     "local_loss",
     "on_local_grad",
     "on_local_step_end",
@@ -61,6 +63,14 @@ class FederatedCallback(Callback):
 
     def on_client_start(self, fed: Federation, client: ClientContext) -> None:
         """Client: the net holds the global weights; ``client.state`` holds the stored client state."""
+
+    def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor | None:
+        """Client, every local step: row indices of the step's minibatch in the tensor store, or None to defer.
+
+        The default is reshuffled epochs of the client's rows (:func:`flx.federation.local_batches`); draw from
+        ``client.generator`` to stay a function of ``(seed, round, client)``.
+        """
+        return None
 
     def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:
         """Client, every local step: returns the local objective (``client.outputs`` / ``client.batch`` given)."""
