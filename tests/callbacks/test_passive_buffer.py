@@ -110,3 +110,27 @@ def test_momentum_scales_the_first_step_by_beta() -> None:
 def test_bad_params(bad: dict) -> None:
     with pytest.raises(ConfigError):
         PassiveBuffer(**bad)
+
+
+def test_local_pair_step_is_the_within_client_pairwise_gradient() -> None:
+    """pairs=local, linear f: w_1 = w_0 - eta * grad_w mean_{s,t} ell(a_s(w), b_t(w)) (both sides differentiated)."""
+    data = _binary_data([3], [5])
+    part = PassiveBuffer(b1=3, b2=5, loss="squared_hinge", compositional=False, beta=1.0, pairs="local")
+    net = _net()
+    run_rounds(make_fed(net, data, parts=[part], clients_per_round=1, local_steps=1, lr=0.5), 1)
+    ref = _net()
+    a, b = _score(ref, data.x[data.y == 1]), _score(ref, data.x[data.y == 0])
+    xrisk.squared_hinge(a[:, None], b[None, :]).mean().backward()
+    for p, r in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), (r - 0.5 * r.grad).detach(), rtol=0, atol=1e-12)
+    assert part.pools == []  # no score pools for the baseline
+
+
+def test_partial_participation_freezes_absent_clients_u() -> None:
+    """Appendix F: with 1 of 3 clients per round, only the sampled clients' u tables exist / change."""
+    data = _binary_data([4, 5, 3], [6, 4, 7])
+    part = PassiveBuffer(b1=2, b2=2, loss="kl_opauc", gamma=0.5, beta=0.5)
+    fed = make_fed(_net(), data, parts=[part], clients_per_round=1, local_steps=2, lr=0.1, weighting="uniform")
+    run_rounds(fed, 1)
+    (first,) = fed.rnd.cohort
+    assert fed.store.client_ids() == [first] and len(part.pools[-1]["pos"]) == 2 * 2

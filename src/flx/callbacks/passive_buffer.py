@@ -21,6 +21,13 @@ code 2), ``u0`` (1, as the code: ``f = lam log`` needs ``u > 0``), the score ``h
 ``H^0`` (Alg. 1-2 line 2) is every training sample's score under ``w^0``; later pools hold exactly the
 scores and post-update ``u`` values recorded during the round's steps, merged in client-id order.
 The momentum ``m`` starts each round at the server mean of the clients' last momenta (``0`` in round 1).
+
+``pairs="local"`` is the paper's Local Pair baseline (digest §2.4): the same objective on the pairs of each
+step's own minibatch, gradient through both sides, ``u`` from local pairs, no score pools; its momentum is
+averaged like FeDXL2's (the paper does not say; the authors' code keeps it local). With one client holding all
+the data (``partition.num_clients=1``) it is the Centralized reference (SOX for the compositional loss).
+Partial participation (Appendix F) is ``algo.clients_per_round < N``: pools and the momentum mean come from
+the round's participants, other clients' ``u`` tables stay frozen in the store.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class PassiveBufferParams:
     replacement: bool = True
     u0: float = 1.0
     score: str = "sigmoid"
+    pairs: str = "passive"
 
 
 class PassiveBuffer(FederatedCallback):
@@ -72,6 +80,8 @@ class PassiveBuffer(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
+        if p.pairs not in ("passive", "local"):
+            raise bad_value("algo.pairs", p.pairs, "allowed: passive (FeDXL), local (the Local Pair baseline)")
         if p.score not in ("sigmoid", "logit"):
             raise bad_value("algo.score", p.score, "allowed: sigmoid, logit")
         if p.loss not in LOSSES:
@@ -92,9 +102,11 @@ class PassiveBuffer(FederatedCallback):
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
-        if not self.pools:
+        if not self.pools and self.params.pairs == "passive":
             self.pools = [self._initial_pool(fed)]
-        self._merged = {k: torch.cat([pool[k] for pool in self.pools]) for k in ("pos", "u", "neg")}
+        self._merged = (
+            {k: torch.cat([pool[k] for pool in self.pools]) for k in ("pos", "u", "neg")} if self.pools else {}
+        )
         self._records: dict[int, dict[str, Tensor]] = {}
         self._momentum = WeightedMean([torch.zeros(self._numel(fed), dtype=fed.params[0].dtype)])
 
@@ -108,10 +120,11 @@ class PassiveBuffer(FederatedCallback):
 
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
-        everyone = fed.gather(self._records) if fed.world_size > 1 and fed.gather else [self._records]
-        records = {cid: rec for part in everyone for cid, rec in part.items()}
-        merged = {k: torch.cat([records[c][k] for c in sorted(records)]) for k in ("pos", "u", "neg")}
-        self.pools = (self.pools + [merged])[-self.params.depth :]
+        if self.params.pairs == "passive":
+            everyone = fed.gather(self._records) if fed.world_size > 1 and fed.gather else [self._records]
+            records = {cid: rec for part in everyone for cid, rec in part.items()}
+            merged = {k: torch.cat([records[c][k] for c in sorted(records)]) for k in ("pos", "u", "neg")}
+            self.pools = (self.pools + [merged])[-self.params.depth :]
         if self.params.compositional:
             self._momentum.sync(fed.reduce_sum if fed.world_size > 1 else None)
             self.gbar = self._momentum.compute()[0].clone()
@@ -145,7 +158,7 @@ class PassiveBuffer(FederatedCallback):
 
     def _passive_order(self, client: ClientContext) -> dict[str, Tensor] | None:
         """Without replacement: one permutation per client and round, shared by the S_1 scores and their u."""
-        if self.params.replacement:
+        if self.params.replacement or self.params.pairs == "local":
             return None
         g = client.generator
         return {
@@ -177,6 +190,8 @@ class PassiveBuffer(FederatedCallback):
         p, s, pool = self.params, client.extras["fedxl"], self._merged
         h = self.score(client.outputs)
         a, b = h[: p.b1], h[p.b1 :]
+        if p.pairs == "local":
+            return self._local_pairs(a, b, s)
         jn = self._draw(len(pool["neg"]), p.p2 or p.b2, client, "neg")
         jp = self._draw(len(pool["pos"]), p.p1 or p.b1, client, "pos")
         hn, hp, up = (pool["neg"][jn].to(h), pool["pos"][jp].to(h), pool["u"][jp].to(h))
@@ -190,6 +205,18 @@ class PassiveBuffer(FederatedCallback):
         for key, value in (("pos", a), ("u", u), ("neg", b)):
             s["rec"][key].append(value.detach().cpu())
         return surrogate
+
+    def _local_pairs(self, a: Tensor, b: Tensor, s: dict[str, Any]) -> Tensor:
+        """Local Pair baseline: partners are the step's own minibatch of the other class, gradient through both.
+
+        (1/B1) sum_s sg[f'(u_s)] (1/B2) sum_t ell(a_s, b_t), with u_s updated from the local pairs (Eq. 11).
+        """
+        weight = torch.ones_like(a)
+        if self.params.compositional:
+            u = xrisk.update_u(s["u"][s["ipos"]].to(a), a, b, self.ell, self.params.gamma)
+            s["u"][s["ipos"]] = u.cpu().double()
+            weight = self.f_prime(u)
+        return (weight.detach() * self.ell(a[:, None], b[None, :]).mean(dim=1)).mean()
 
     @override
     @torch.no_grad()
@@ -205,7 +232,8 @@ class PassiveBuffer(FederatedCallback):
     @override
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
         s = client.extras.pop("fedxl")
-        self._records[client.cid] = {k: torch.cat(v).double() for k, v in s["rec"].items()}
+        if s["rec"]["pos"]:
+            self._records[client.cid] = {k: torch.cat(v).double() for k, v in s["rec"].items()}
         if self.params.compositional:
             client.state["u"] = s["u"]
             self._momentum.update([s["m"]], 1.0)
