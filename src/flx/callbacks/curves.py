@@ -13,7 +13,16 @@ from collections import defaultdict
 import lightning.pytorch as pl
 from typing_extensions import override
 
-TRACKED = ("train/loss", "val/loss", "val/acc", "val/client_acc_mean", "val/client_acc_worst")
+TRACKED = (
+    "train/loss",
+    "val/loss",
+    "val/acc",
+    "val/client_acc_mean",
+    "val/client_acc_worst",
+    "val/auroc",
+    "val/pauc_0.3",
+    "val/pauc_0.5",
+)
 
 
 class RoundCurves(pl.Callback):
@@ -74,7 +83,7 @@ class RoundCurves(pl.Callback):
         for key, points in self.history.items():
             ax = ax_loss if key.endswith("loss") else ax_acc
             ax.plot(*zip(*points), marker="o", markersize=2.5, label=key)
-        for ax, title in ((ax_loss, "loss"), (ax_acc, "accuracy of the global model")):
+        for ax, title in ((ax_loss, "loss"), (ax_acc, "global model: accuracy / AUC")):
             ax.set_xlabel("round")
             ax.set_title(title)
             ax.grid(alpha=0.3)
