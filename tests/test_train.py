@@ -271,3 +271,14 @@ def test_fedxl_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
     assert full["test/auroc"] > 0.8  # far above chance (0.5) after 4 rounds x 4 steps: the X-risk loss learns
+
+
+def test_fedxl_reproduction_script_quick(tmp_path: Path) -> None:
+    """scripts/reproduce/fedxl.py --quick writes both tables (every method, CODASCA marked) and the plot."""
+    cmd = [sys.executable, "scripts/reproduce/fedxl.py", "--quick", "--rounds", "1", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table2 = (tmp_path / "table2.md").read_text()
+    assert all(m in table2 for m in ("FeDXL2", "Local Pair", "Local SGD (CE)", "Centralized", "CODASCA"))
+    assert "FeDXL1" in (tmp_path / "table3.md").read_text() and (tmp_path / "convergence.png").stat().st_size > 0

@@ -125,10 +125,13 @@ def plot(curves: dict[str, dict], key: str, path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
+    global OUT  # the tables and the plot go here (the docs folder unless --out)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--out", default=None, help="folder for the tables and the plot")
     args = parser.parse_args(argv)
+    OUT = Path(args.out) if args.out else OUT
     seeds, rounds = ([0], 3) if args.quick else ([0, 1, 2], 15)
     rounds = args.rounds or rounds
     sys.path.insert(0, str(ROOT / "src"))
