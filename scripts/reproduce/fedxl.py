@@ -3,7 +3,7 @@
     .venv/bin/python scripts/reproduce/fedxl.py            # digits made binary (data=digits_binary), 3 seeds
     .venv/bin/python scripts/reproduce/fedxl.py --quick    # 1 seed, few rounds (smoke)
 
-Protocol (paper §3 / digest §3): N=16 clients (iid shards) with per-client input noise
+Protocol (paper §3 / digest §3): N=16 clients (stratified shards) with per-client input noise
 N(-0.08 + 0.01 i, 0.2^2), K=32 local steps, B1=B2=32, the same seeds for every method. Table 2: partial-AUC
 (KL-OPAUC) methods, test pAUC at FPR <= 0.3 / 0.5. Table 3: AUROC under 20% label flips (PSM for the pairwise
 methods). Writes `docs/results/fedxl/{table2,table3}.{md,csv}` and `docs/results/fedxl/convergence.png`.
@@ -27,7 +27,7 @@ BASE = [
     "data=digits_binary",
     "data.loader.positive=[3,5,8]",  # confusable digits: a harder ranking task than 0/1 vs rest
     "model=logreg",
-    "partition=iid",
+    "partition=stratified",  # each class cut into N equal shards (the authors' split)
     "partition.num_clients=16",
     "algo.local_steps=32",
     "logger=none",

@@ -18,6 +18,7 @@ from flx.datamodules.partitioners import (
     Partitioner,
     QuantitySkew,
     Shards,
+    Stratified,
 )
 from flx.errors import ConfigError
 
@@ -36,6 +37,8 @@ CASES = [
     ("iid", {"num_clients": 1}),
     ("iid", {"num_clients": 7}),
     ("iid", {"num_clients": 50, "test_fraction": 0.2}),
+    ("stratified", {"num_clients": 16}),
+    ("stratified", {"num_clients": 30, "test_fraction": 0.2}),
     ("dirichlet", {"num_clients": 10, "alpha": 0.3}),
     ("dirichlet", {"num_clients": 37, "alpha": 5.0, "test_fraction": 0.25, "min_size": 5}),
     ("shards", {"num_clients": 10, "classes_per_client": 1}),
@@ -132,6 +135,7 @@ def test_test_fraction_does_not_change_the_client_sets(name: str) -> None:
 def test_registry_and_hydra_style_construction() -> None:
     assert PARTITIONERS == {
         "iid": IID,
+        "stratified": Stratified,
         "dirichlet": Dirichlet,
         "shards": Shards,
         "one_class": OneClass,
@@ -334,3 +338,11 @@ def test_a_faulty_subclass_is_caught() -> None:
 
     with pytest.raises(RuntimeError, match="partition"):
         Overlapping(2)(LABELS, seed=0)
+
+
+def test_stratified_gives_every_client_the_global_class_ratio() -> None:
+    """Per class, client counts differ by at most one (each class is cut into near-equal shards)."""
+    split = Stratified(16)(LABELS, seed=0)
+    counts = np.stack([np.bincount(LABELS[p], minlength=NUM_CLASSES) for p in split.train])
+    assert (counts.max(axis=0) - counts.min(axis=0) <= 1).all()
+    assert (counts.sum(axis=0) == np.bincount(LABELS, minlength=NUM_CLASSES)).all()
