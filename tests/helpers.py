@@ -54,3 +54,14 @@ def run_rounds(fed: Federation, rounds: int, start: int = 0) -> None:
 
 def params(net: nn.Module) -> list[Tensor]:
     return [p.detach().clone() for p in net.parameters()]
+
+
+def full_batch_gd(net: nn.Module, x: Tensor, y: Tensor, lr: float, steps: int) -> nn.Module:
+    """The centralised reference: ``steps`` plain gradient steps on the mean cross-entropy of ``(x, y)``."""
+    for _ in range(steps):
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= lr * p.grad
+    return net

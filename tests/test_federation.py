@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import linear, make_fed, params, run_rounds, toy_data
+from helpers import full_batch_gd, linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
 from flx.callbacks.base import FederatedCallback
@@ -53,13 +53,7 @@ def test_full_batch_fedavg_equals_centralised_gd() -> None:
     fed = make_fed(net, data, rounds=4, clients_per_round=4, local_steps=1, batch_size=64, lr=0.5)
     run_rounds(fed, 4)
 
-    ref = linear(dtype=torch.float64)
-    for _ in range(4):
-        ref.zero_grad()
-        F.cross_entropy(ref(data.x), data.y).backward()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p -= 0.5 * p.grad
+    ref = full_batch_gd(linear(dtype=torch.float64), data.x, data.y, lr=0.5, steps=4)
     for a, b in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -216,13 +210,7 @@ def test_sample_batch_hook_sets_the_minibatch() -> None:
     rows = torch.tensor([0, 3, 5, 11])
     net = linear(dtype=torch.float64)
     run_rounds(make_fed(net, data, parts=[_FixedRows(rows)], clients_per_round=1, local_steps=3, lr=0.4), 1)
-    ref = linear(dtype=torch.float64)
-    for _ in range(3):
-        ref.zero_grad()
-        F.cross_entropy(ref(data.x[rows]), data.y[rows]).backward()
-        with torch.no_grad():
-            for p in ref.parameters():
-                p -= 0.4 * p.grad
+    ref = full_batch_gd(linear(dtype=torch.float64), data.x[rows], data.y[rows], lr=0.4, steps=3)
     for a, b in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
