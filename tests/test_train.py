@@ -282,3 +282,19 @@ def test_fedxl_reproduction_script_quick(tmp_path: Path) -> None:
     table2 = (tmp_path / "table2.md").read_text()
     assert all(m in table2 for m in ("FeDXL2", "Local Pair", "Local SGD (CE)", "Centralized", "CODASCA"))
     assert "FeDXL1" in (tmp_path / "table3.md").read_text() and (tmp_path / "convergence.png").stat().st_size > 0
+
+
+def test_fedxl2_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """FeDXL2 on 2 CPU processes: score pools all-gathered in client order, momentum mean all-reduced, so the
+    model, the merged pools and the server momentum equal the 1-process run."""
+    common = ["algo=fedxl2", *FEDXL, "algo.rounds=3"]
+    _cli(tmp_path / "one", *common)
+    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
+    one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
+    for k in one["state_dict"]:
+        torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
+    (key,) = [k for k in one["callbacks"] if "PassiveBuffer" in k]
+    p1, p2 = one["callbacks"][key], two["callbacks"][key]
+    for name in ("pos", "u", "neg"):
+        torch.testing.assert_close(p1["pools"][-1][name], p2["pools"][-1][name], rtol=0, atol=1e-5)
+    torch.testing.assert_close(p1["gbar"], p2["gbar"], rtol=0, atol=1e-6)
