@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,14 +134,11 @@ def test_test_fraction_does_not_change_the_client_sets(name: str) -> None:
 
 
 def test_registry_and_hydra_style_construction() -> None:
-    assert PARTITIONERS == {
-        "iid": IID,
-        "stratified": Stratified,
-        "dirichlet": Dirichlet,
-        "shards": Shards,
-        "one_class": OneClass,
-        "quantity_skew": QuantitySkew,
-    }
+    """Every registered partitioner has its config, configs/partition/<name>.yaml, targeting it."""
+    folder = Path(__file__).resolve().parents[2] / "configs" / "partition"
+    assert {c.stem for c in folder.glob("*.yaml")} == set(PARTITIONERS)
+    for name, cls in PARTITIONERS.items():
+        assert f"_target_: flx.datamodules.partitioners.{cls.__name__}\n" in (folder / f"{name}.yaml").read_text()
     for name, cls in PARTITIONERS.items():
         assert issubclass(cls, Partitioner) and cls.name == name
     part = Dirichlet(num_clients=4, alpha=2, test_fraction=0.5, min_size=3)
