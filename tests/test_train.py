@@ -260,10 +260,11 @@ def test_binary_imbalanced_digits_config(tmp_path: Path) -> None:
 FEDXL = ["data=digits_binary", "partition=iid", "partition.num_clients=4", "algo.local_steps=4", *QUIET]
 
 
-@pytest.mark.parametrize("algo", ["fedxl1", "fedxl2"])
+@pytest.mark.parametrize("algo", ["fedxl1", "fedxl2", "codasca"])
 def test_fedxl_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
-    """FeDXL's pools, server momentum and per-client u tables survive a resume: 4 rounds == 2 + 2 (bitwise)."""
-    base = [f"algo={algo}", *FEDXL, "logger=none"]
+    """FeDXL's pools, server momentum and per-client u tables, and CODASCA's (a, b, alpha), control variates and
+    stage reference (a stage starts at round 2: t0 = 8 steps) survive a resume: 4 rounds == 2 + 2 (bitwise)."""
+    base = [f"algo={algo}", *FEDXL, "logger=none", *(["algo.t0=8", "algo.lr=1.0"] if algo == "codasca" else [])]
     full = train(compose(tmp_path / "a", *base, "algo.rounds=4"))
     train(compose(tmp_path / "b", *base, "algo.rounds=2"))
     train(compose(tmp_path / "c", *base, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
@@ -274,13 +275,14 @@ def test_fedxl_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
 
 
 def test_fedxl_reproduction_script_quick(tmp_path: Path) -> None:
-    """scripts/reproduce/fedxl.py --quick writes both tables (every method, CODASCA marked) and the plot."""
+    """scripts/reproduce/fedxl.py --quick writes both tables (every method, with numbers) and the plot."""
     cmd = [sys.executable, "scripts/reproduce/fedxl.py", "--quick", "--rounds", "1", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table2 = (tmp_path / "table2.md").read_text()
     assert all(m in table2 for m in ("FeDXL2", "Local Pair", "Local SGD (CE)", "Centralized", "CODASCA"))
+    assert "not implemented" not in table2 and table2.count("±") == 2 * 5
     assert "FeDXL1" in (tmp_path / "table3.md").read_text() and (tmp_path / "convergence.png").stat().st_size > 0
 
 
@@ -298,3 +300,21 @@ def test_fedxl2_one_process_equals_two_processes(tmp_path: Path) -> None:
     for name in ("pos", "u", "neg"):
         torch.testing.assert_close(p1["pools"][-1][name], p2["pools"][-1][name], rtol=0, atol=1e-5)
     torch.testing.assert_close(p1["gbar"], p2["gbar"], rtol=0, atol=1e-6)
+
+
+def test_codasca_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """CODASCA on 2 CPU processes: (a, b, alpha) and the control-variate deltas go through one all-reduce, the
+    clients' c_i through the state all-gather; model, server state and every c_i equal the 1-process run."""
+    common = ["algo=codasca", *FEDXL, "algo.rounds=3", "algo.t0=8"]
+    _cli(tmp_path / "one", *common)
+    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
+    one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
+    for k in one["state_dict"]:
+        torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
+    (key,) = [k for k in one["callbacks"] if "Codasca" in k]
+    for name in ("abz", "c", "ref"):
+        torch.testing.assert_close(one["callbacks"][key][name], two["callbacks"][key][name], rtol=0, atol=1e-5)
+    c1, c2 = one["flx"]["store"]["clients"], two["flx"]["store"]["clients"]
+    assert c1.keys() == c2.keys() == set(range(4))
+    for cid in c1:
+        torch.testing.assert_close(c1[cid]["c"], c2[cid]["c"], rtol=0, atol=1e-5)

@@ -132,8 +132,7 @@ class PassiveBuffer(FederatedCallback):
     # ------------------------------------------------------------------ client
     def score(self, outputs: Tensor) -> Tensor:
         """``h(w; z)``: the positive-class logit margin (one output: itself), squashed by a sigmoid by default."""
-        margin = outputs[:, 1] - outputs[:, 0] if outputs.shape[-1] == 2 else outputs.reshape(-1)
-        return torch.sigmoid(margin) if self.params.score == "sigmoid" else margin
+        return xrisk.binary_score(outputs, self.params.score)
 
     @staticmethod
     def _numel(fed: Federation) -> int:

@@ -61,6 +61,15 @@ PairLoss = Callable[[Tensor, Tensor], Tensor]
 """An elementwise pairwise loss ``ell(a, b)`` on broadcastable score tensors."""
 
 
+def binary_score(outputs: Tensor, kind: str = "sigmoid") -> Tensor:
+    """``h(w; z)``: the positive-class logit margin ``logit_1 - logit_0`` (a one-output net: its output).
+
+    ``kind="sigmoid"`` squashes it into (0, 1) (the authors' code of FeDXL and of CODASCA); ``"logit"`` keeps it.
+    """
+    margin = outputs[:, 1] - outputs[:, 0] if outputs.shape[-1] == 2 else outputs.reshape(-1)
+    return torch.sigmoid(margin) if kind == "sigmoid" else margin
+
+
 def _hinge(a: Tensor, b: Tensor, margin: float) -> Tensor:
     """Returns :math:`(m - (a - b))_+`, elementwise."""
     return torch.clamp(margin - (a - b), min=0.0)
