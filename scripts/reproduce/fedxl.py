@@ -32,11 +32,7 @@ DATA = {  # --data: the embedded default, and the paper's datasets where their f
         "model=logreg",
     ],
     "cifar10": ["data=cifar10_binary", "model=resnet18"],  # classes 0-4 positive, 1:5 (LibAUC style)
-    "cifar100": [
-        "data=cifar10_binary",
-        "data.loader.source._target_=flx.datamodules.datasets.cifar100",
-        "model=resnet18",
-    ],
+    "cifar100": ["data=cifar100_binary", "model=resnet18"],
     "chestmnist": ["data=chestmnist", "model=resnet18"],  # label Mass (column 4)
 }
 BASE = [
