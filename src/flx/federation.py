@@ -345,6 +345,24 @@ class Federation:
         client.batch = client.outputs = None
         return total
 
+    @torch.no_grad()
+    def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:
+        """Mean ``loss_fn`` of the net's current model over ``rows`` of the store, outside training.
+
+        The net runs in eval mode (no dropout, no BatchNorm statistics update) inside the step context and is put
+        back in its previous mode; no random number is drawn. ``loss_fn`` must return a batch mean.
+        """
+        was_training = self.net.training
+        self.net.eval()
+        try:
+            with self.step_context():
+                total = sum(
+                    self.loss_fn(self.net(self.data.x[r]), self.data.y[r]).double() * len(r) for r in rows.split(chunk)
+                )
+        finally:
+            self.net.train(was_training)
+        return float(total) / len(rows)
+
     def _part_batch(self, client: ClientContext) -> Tensor | None:
         for part in self._hooked["sample_batch"]:
             rows = part.sample_batch(self, client)
