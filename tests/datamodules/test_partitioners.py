@@ -13,6 +13,7 @@ import pytest
 from flx.datamodules.partitioners import (
     IID,
     PARTITIONERS,
+    ByGroup,
     ClientSplit,
     Dirichlet,
     OneClass,
@@ -126,17 +127,23 @@ def test_different_seed_different_split(name: str, kwargs: dict[str, Any]) -> No
 @pytest.mark.parametrize("name", sorted(PARTITIONERS))
 def test_test_fraction_does_not_change_the_client_sets(name: str) -> None:
     kwargs = {"num_clients": 20}
-    plain = build(name, **kwargs)(LABELS, seed=3)
-    held_out = build(name, **kwargs, test_fraction=0.3)(LABELS, seed=3)
+    groups = LABELS % 2  # split by by_group only; every other partitioner ignores it
+    plain = build(name, **kwargs)(LABELS, seed=3, groups=groups)
+    held_out = build(name, **kwargs, test_fraction=0.3)(LABELS, seed=3, groups=groups)
     for whole, train, test in zip(plain.train, held_out.train, held_out.test):
         np.testing.assert_array_equal(np.sort(np.concatenate([train, test])), whole)
     assert all(len(t) == 0 for t in plain.test)
 
 
 def test_registry_and_hydra_style_construction() -> None:
-    """Every registered partitioner has its config, configs/partition/<name>.yaml, targeting it."""
+    """Every registered partitioner has its config, configs/partition/<name>.yaml, targeting it; any other config
+    there (a preset such as one_class_per_client) targets a registered partitioner."""
     folder = Path(__file__).resolve().parents[2] / "configs" / "partition"
-    assert {c.stem for c in folder.glob("*.yaml")} == set(PARTITIONERS)
+    assert set(PARTITIONERS) <= {c.stem for c in folder.glob("*.yaml")}
+    classes = {cls.__name__ for cls in PARTITIONERS.values()}
+    for config in folder.glob("*.yaml"):
+        target = re.search(r"^_target_: flx\.datamodules\.partitioners\.(\w+)$", config.read_text(), re.MULTILINE)
+        assert target is not None and target.group(1) in classes, config.name
     for name, cls in PARTITIONERS.items():
         assert f"_target_: flx.datamodules.partitioners.{cls.__name__}\n" in (folder / f"{name}.yaml").read_text()
     for name, cls in PARTITIONERS.items():
@@ -344,3 +351,67 @@ def test_stratified_gives_every_client_the_global_class_ratio() -> None:
     counts = np.stack([np.bincount(LABELS[p], minlength=NUM_CLASSES) for p in split.train])
     assert (counts.max(axis=0) - counts.min(axis=0) <= 1).all()
     assert (counts.sum(axis=0) == np.bincount(LABELS, minlength=NUM_CLASSES)).all()
+
+
+# ----------------------------------------------------------------------------------------------- by_group
+
+
+def test_by_group_hand_example() -> None:
+    """12 samples, group 0 at 1, 2, 5, 8, 9 and group 1 at the other 7; 4 clients -> 2 per group, larger chunk first."""
+    groups = np.array([1, 0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 1])
+    split = ByGroup(4)(LABELS[:12], seed=0, groups=groups)
+    assert [p.tolist() for p in split.train] == [[1, 2, 5], [8, 9], [0, 3, 4, 6], [7, 10, 11]]
+
+
+@pytest.mark.parametrize(("num_groups", "num_clients"), [(2, 10), (5, 10), (3, 3), (7, 21)])
+def test_by_group_clients_hold_one_group_contiguously(num_groups: int, num_clients: int) -> None:
+    groups = np.random.default_rng(num_groups).integers(0, num_groups, len(LABELS)) * 10 + 3  # ids need not be 0..G-1
+    split = ByGroup(num_clients)(LABELS, seed=0, groups=groups)
+    per_group = num_clients // num_groups
+    np.testing.assert_array_equal(np.sort(np.concatenate(split.train)), np.arange(len(LABELS)))
+    for g, value in enumerate(np.unique(groups)):
+        chunks = split.train[g * per_group : (g + 1) * per_group]
+        np.testing.assert_array_equal(np.concatenate(chunks), np.flatnonzero(groups == value))
+        n = int((groups == value).sum())
+        assert [len(c) for c in chunks] == [n // per_group + (k < n % per_group) for k in range(per_group)]
+
+
+def test_by_group_ignores_labels_and_seed_but_holds_out_per_client() -> None:
+    groups = LABELS % 3
+    plain = ByGroup(6)(LABELS, seed=0, groups=groups)
+    other = ByGroup(6)(np.zeros_like(LABELS), seed=5, groups=groups)
+    assert all(np.array_equal(a, b) for a, b in zip(plain.train, other.train))
+    held = ByGroup(6, test_fraction=0.25)(LABELS, seed=1, groups=groups)
+    for whole, train, test in zip(plain.train, held.train, held.test):
+        np.testing.assert_array_equal(np.sort(np.concatenate([train, test])), whole)
+        assert len(test) == math.floor(0.25 * len(whole) + 0.5)
+
+
+@pytest.mark.parametrize(
+    ("num_clients", "groups", "match"),
+    [
+        (4, None, "partition='by_group': needs a dataset with sample groups (data=adult, data=shakespeare)"),
+        (7, LABELS % 2, "partition.num_clients=7: by_group needs a multiple of the number of groups in the data (2)"),
+        (6, np.r_[np.zeros(len(LABELS) - 2, int), 1, 1], "group 1 has 2 training samples but 3 clients must share it"),
+    ],
+)
+def test_by_group_errors_are_one_line(num_clients: int, groups: np.ndarray | None, match: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(match)) as info:
+        ByGroup(num_clients)(LABELS, seed=0, groups=groups)
+    assert "\n" not in str(info.value)
+
+
+def test_one_class_per_client_preset_is_drfas_split() -> None:
+    """``partition=one_class_per_client``: 10 clients, client c holds every sample of class c and nothing else
+    (80% to train on, 20% as its own test split for the per-client accuracy)."""
+    from hydra.utils import instantiate
+
+    from flx.config import precheck
+
+    part = instantiate(precheck(["data=digits", "partition=one_class_per_client"]).partition)
+    assert isinstance(part, OneClass) and part.num_clients == 10
+    split = part(LABELS, seed=0)
+    assert part.test_fraction == 0.2
+    for c, (rows, test) in enumerate(zip(split.train, split.test)):
+        np.testing.assert_array_equal(np.union1d(rows, test), np.flatnonzero(LABELS == c))
+        assert len(np.intersect1d(rows, test)) == 0 and abs(len(test) - 0.2 * (LABELS == c).sum()) <= 1

@@ -41,7 +41,9 @@ class ClientStore:
         self.x, self.y, self.client_indices = x, y, client_indices
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ClientStore:
-        self.x, self.y = self.x.to(device=device, dtype=dtype), self.y.to(device)
+        """Moves the store to ``device``; float inputs are cast to ``dtype``, integer token ids stay int64."""
+        x_dtype = dtype if self.x.is_floating_point() else None
+        self.x, self.y = self.x.to(device=device, dtype=x_dtype), self.y.to(device)
         return self
 
 
@@ -51,7 +53,8 @@ class FederatedDataModule(pl.LightningDataModule):
     Args:
         dataset: a callable returning :class:`TensorData` (a Hydra partial of a loader in
             :mod:`flx.datamodules.datasets`), or the data itself.
-        partitioner: a callable ``(labels, seed) -> ClientSplit`` (see :mod:`flx.datamodules.partitioners`).
+        partitioner: a callable ``(labels, seed) -> ClientSplit`` (see :mod:`flx.datamodules.partitioners`); when
+            the data has sample groups (``TensorData.groups_train``) it is called as ``(labels, seed, groups=...)``.
         seed: partition seed.
         eval_batch_size: batch size of validation/test loaders.
     """
@@ -71,7 +74,8 @@ class FederatedDataModule(pl.LightningDataModule):
         if self.data is not None:
             return
         self.data = self.dataset if isinstance(self.dataset, TensorData) else self.dataset()
-        split = self.partitioner(self.data.y_train.numpy(), self.seed)
+        groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train.numpy()}
+        split = self.partitioner(self.data.y_train.numpy(), self.seed, **groups)
         self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in split.train]
         self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in split.test]
         self.clients = ClientStore(self.data.x_train, self.data.y_train, self.client_train)

@@ -10,6 +10,8 @@ Formats read here:
 * MNIST / FashionMNIST / EMNIST: torchvision's ``raw/`` IDX files, plain or ``.gz``.
 * CIFAR-10 / CIFAR-100: the "python version" pickles (unpickled with a numpy-only allowlist).
 * MedMNIST: the ``medmnist`` package's ``.npz`` files.
+* Adult: UCI's ``adult.data`` / ``adult.test`` (read in :mod:`flx.datamodules.adult`).
+* Shakespeare: LEAF JSON (read in :mod:`flx.datamodules.shakespeare`); inputs are int64 character ids.
 
 The format readers and shared helpers live in :mod:`flx.datamodules.formats`.
 
@@ -27,6 +29,7 @@ import torch
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
+from flx.datamodules.adult import adult
 from flx.datamodules.formats import (
     Split,
     _check_fraction,
@@ -41,10 +44,23 @@ from flx.datamodules.formats import (
     _medmnist_path,
     _unpickle,
 )
+from flx.datamodules.shakespeare import shakespeare
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 
-__all__ = ["LOADERS", "breast_cancer", "cifar10", "cifar100", "digits", "emnist", "fashion_mnist", "medmnist", "mnist"]
+__all__ = [
+    "LOADERS",
+    "adult",
+    "breast_cancer",
+    "cifar10",
+    "cifar100",
+    "digits",
+    "emnist",
+    "fashion_mnist",
+    "medmnist",
+    "mnist",
+    "shakespeare",
+]
 
 _IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
@@ -392,4 +408,6 @@ LOADERS: dict[str, Callable[..., TensorData]] = {
     "cifar10": cifar10,
     "cifar100": cifar100,
     "medmnist": medmnist,
+    "adult": adult,
+    "shakespeare": shakespeare,
 }

@@ -1,8 +1,9 @@
-"""Small from-scratch networks used as FL baselines: logistic regression, MLP and the FedAvg CNN.
+"""Small from-scratch networks used as FL baselines: logistic regression, MLP, the FedAvg CNN and a character GRU.
 
 Every constructor takes ``input_shape`` (the per-sample shape, e.g. ``(1, 28, 28)`` or ``(30,)``) and
 ``num_classes`` as keyword arguments, so each class can be a Hydra ``_target_`` with both values filled in at
-instantiate time. Each model maps a float batch ``(B, *input_shape)`` to logits ``(B, num_classes)``.
+instantiate time. Each model maps a float batch ``(B, *input_shape)`` to logits ``(B, num_classes)``; ``CharGRU``
+takes an int64 batch of token ids ``(B, L)`` instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from flx.errors import ConfigError, bad_value
 
-__all__ = ["CNN", "MLP", "LogisticRegression", "as_shape", "check_num_classes"]
+__all__ = ["CNN", "MLP", "CharGRU", "LogisticRegression", "as_shape", "check_num_classes"]
 
 
 def as_shape(input_shape: Sequence[Any]) -> tuple[int, ...]:
@@ -193,3 +194,54 @@ class CNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(B, C, H, W)`` to logits ``(B, num_classes)``."""
         return self.classifier(self.features(x))
+
+
+class CharGRU(nn.Module):
+    """Next-token RNN: embedding, GRU, linear head on the last hidden state.
+
+    The DRFA paper's Shakespeare model (Deng et al., NeurIPS 2020, Section 6): an embedding of the characters into
+    50 dimensions, one GRU layer with 50 units and a fully connected layer back to the vocabulary, trained with
+    cross-entropy on the next character. Parameters: ``V E`` (embedding) ``+ 3 H (E + H) + 6 H`` (first GRU layer,
+    gates r, z, n with input and hidden biases; each further layer ``3 H (2 H) + 6 H``) ``+ H C + C`` (head).
+
+    Args:
+        input_shape: per-sample shape ``(L,)``: a sequence of ``L`` token ids.
+        num_classes: number of output logits ``C`` (the vocabulary of the predicted token).
+        vocab_size: number of input token ids ``V``; ``None`` uses ``num_classes``.
+        embed_dim: embedding width ``E``.
+        hidden: GRU units ``H``.
+        num_layers: stacked GRU layers.
+
+    Raises:
+        ConfigError: if the input is not a 1-D sequence or a width is not a positive int.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_shape: Sequence[int],
+        num_classes: int,
+        vocab_size: int | None = None,
+        embed_dim: int = 50,
+        hidden: int = 50,
+        num_layers: int = 1,
+    ) -> None:
+        super().__init__()
+        self.input_shape = as_shape(input_shape)
+        self.num_classes = check_num_classes(num_classes)
+        if len(self.input_shape) != 1:
+            raise ConfigError(f"model=gru needs token sequences (L,); got input_shape={self.input_shape}")
+        vocab = self.num_classes if vocab_size is None else _as_widths("model.vocab_size", vocab_size, False)[0]
+        embed_dim = _as_widths("model.embed_dim", embed_dim, allow_empty=False)[0]
+        hidden = _as_widths("model.hidden", hidden, allow_empty=False)[0]
+        num_layers = _as_widths("model.num_layers", num_layers, allow_empty=False)[0]
+        self.embed = nn.Embedding(vocab, embed_dim)
+        self.gru = nn.GRU(embed_dim, hidden, num_layers=num_layers, batch_first=True)
+        self.head = nn.Linear(hidden, self.num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps token ids ``(B, L)`` (int64) to logits ``(B, num_classes)`` for the token after the sequence."""
+        if x.is_floating_point():
+            raise ConfigError(f"model=gru needs integer token ids (e.g. data=shakespeare), got {x.dtype} inputs")
+        out, _ = self.gru(self.embed(x))  # (B, L) -> (B, L, E) -> (B, L, H); the hidden state starts at zero
+        return self.head(out[:, -1])  # (B, H) -> (B, C)
