@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pickle
@@ -330,3 +331,60 @@ def test_fedxl_reproduction_script_on_cifar10_files(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "out" / "table2.md").read_text().count("±") == 2 * 5
+
+
+DRFA = ["algo=drfa", "data=digits", "model=logreg", "partition=iid", "partition.num_clients=2", *QUIET]
+DRFA += ["algo.clients_per_round=2", "algo.local_steps=3", "algo.gamma=0.5", "partition.test_fraction=0.2"]
+
+
+def _drfa_cohorts(ckpt: dict, rounds: int, n: int = 2, m: int = 2, seed: int = 0) -> list[list[int]]:
+    """The cohorts the run drew: m draws from lambda^(r) with replacement, on the federation's (seed, round) stream."""
+    from flx.federation import _SAMPLE_TAG, derive_seed
+
+    (key,) = [k for k in ckpt["callbacks"] if "LambdaSampling" in k]
+    history = [[1 / n] * n] + ckpt["callbacks"][key]["history"]
+    rngs = [np.random.default_rng(derive_seed(seed, r, _SAMPLE_TAG)) for r in range(rounds)]
+    return [
+        rng.choice(n, size=m, replace=True, p=np.array(history[r]) / sum(history[r])).tolist()
+        for r, rng in enumerate(rngs)
+    ]
+
+
+def test_drfa_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    """lambda, its history and the model survive a resume: 4 rounds == 2 + 2 (bitwise)."""
+    base = [*DRFA, "logger=none"]
+    train(compose(tmp_path / "a", *base, "algo.rounds=4"))
+    train(compose(tmp_path / "b", *base, "algo.rounds=2"))
+    train(compose(tmp_path / "c", *base, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
+    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    (key,) = [k for k in a["callbacks"] if "LambdaSampling" in k]
+    assert torch.equal(a["callbacks"][key]["lam"], c["callbacks"][key]["lam"])
+    assert a["callbacks"][key]["history"] == c["callbacks"][key]["history"] and len(a["callbacks"][key]["history"]) == 4
+
+
+def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """DRFA on 2 CPU processes: snapshot mean and v all-reduced, so lambda and the model equal the 1-process run,
+    including rounds whose cohort (drawn with replacement) holds one distinct client and leaves a rank idle."""
+    common = [*DRFA, "algo.rounds=4"]
+    _cli(tmp_path / "one", *common)
+    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
+    one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
+    assert any(len(set(c)) == 1 for c in _drfa_cohorts(one, 4))
+    for k in one["state_dict"]:
+        torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
+    (key,) = [k for k in one["callbacks"] if "LambdaSampling" in k]
+    torch.testing.assert_close(one["callbacks"][key]["lam"], two["callbacks"][key]["lam"], rtol=0, atol=1e-6)
+    # the logged round loss is the mean over all the round's clients, whatever rank trained them (or none)
+    losses = [
+        [
+            float(r["train/loss"])
+            for r in csv.DictReader(open(next((tmp_path / run).rglob("metrics.csv"))))
+            if r.get("train/loss")
+        ]
+        for run in ("one", "two")
+    ]
+    assert len(losses[0]) == 4 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-5)
+    lam_json = json.loads((tmp_path / "one" / "lambda.json").read_text())["round_end"]
+    assert len(lam_json) == 4 and all(abs(sum(row) - 1) < 1e-9 for row in lam_json)

@@ -220,9 +220,9 @@ class Federation:
         """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
         ids, counts = np.unique(np.asarray(self.sample(round_idx), dtype=np.int64), return_counts=True)
         cohort = tuple(int(c) for c in ids)
+        # a cohort with fewer distinct clients than ranks (e.g. drawn with replacement) leaves ranks idle: they run
+        # padding slots only and add nothing to the aggregate
         shards = shard_greedy(cohort, [self.num_samples(c) for c in cohort], self.world_size)
-        if any(not s for s in shards):
-            raise RuntimeError(f"round {round_idx}: cohort of {len(cohort)} clients leaves a rank without clients")
         mult, slots = tuple(int(c) for c in counts), max(len(s) for s in shards)
         self._multiplicity = dict(zip(cohort, mult))
         self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)

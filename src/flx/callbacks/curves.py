@@ -19,6 +19,7 @@ TRACKED = (
     "val/acc",
     "val/client_acc_mean",
     "val/client_acc_worst",
+    "val/client_acc_std",
     "val/auroc",
     "val/pauc_0.3",
     "val/pauc_0.5",

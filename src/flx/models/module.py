@@ -4,7 +4,8 @@ It owns the single reused net and the :class:`~flx.federation.Federation`. ``tra
 client id (one "batch" = one client) and trains that client; evaluation of the global model runs in
 Lightning's validation/test loops. Metric keys: ``val/acc``, ``val/loss``, ``val/client_acc_{mean,worst,std}``,
 binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``,
-``test/*`` likewise, round-level keys under ``fl/``.
+``test/*`` likewise, round-level keys under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local
+iterations per client so far, ``cohort``, ``samples``).
 """
 
 from __future__ import annotations
@@ -99,21 +100,28 @@ class FederatedModule(pl.LightningModule):
     def on_train_epoch_end(self) -> None:
         # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of this rank's
         # clients, averaged over ranks weighted by their client counts
+        # one sum of (loss total, client count) over ranks, then the same value logged on every rank; a rank left
+        # idle by a cohort with repeats adds (0, 0). (Lightning's sync_dist would average the integer batch sizes.)
         total, n = self._round_loss
-        if n:
-            self.log("train/loss", total / n, on_epoch=True, batch_size=n, sync_dist=True)
+        sums = torch.tensor([float(total), float(n)], dtype=torch.float64)
+        if self.trainer.world_size > 1:
+            sums = self.trainer.strategy.reduce(sums.to(self.device), reduce_op="sum").cpu()
+        if sums[1] > 0:
+            self.log("train/loss", float(sums[0] / sums[1]), on_epoch=True, batch_size=1)
         if not self.loggers:
             return
         rnd = self.federation.rnd
         samples = sum(self.federation.num_samples(c) for c in rnd.cohort)
-        self.log_dict(
-            {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)},
-            sync_dist=True,  # identical on every rank; syncing only silences Lightning's advice
-        )
+        counts = {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)}
+        if self.federation.cfg.local_epochs is None:  # local iterations so far, per client (AFL: one per round)
+            counts["fl/local_steps"] = float((rnd.round + 1) * self.federation.cfg.local_steps)
+        self.log_dict(counts, sync_dist=True)  # identical on every rank; syncing only silences Lightning's advice
 
     # ------------------------------------------------------------------ evaluation of the global model
     def _eval_step(self, split: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
-        x = batch[0].to(next(self.net.parameters()).dtype)
+        x = batch[0]
+        if x.is_floating_point():  # integer token ids stay int64
+            x = x.to(next(self.net.parameters()).dtype)
         logits = self.net(x)
         if dataloader_idx == 0:
             self.acc[split].update(logits, batch[1])
