@@ -388,3 +388,52 @@ def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
     assert len(losses[0]) == 4 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-5)
     lam_json = json.loads((tmp_path / "one" / "lambda.json").read_text())["round_end"]
     assert len(lam_json) == 4 and all(abs(sum(row) - 1) < 1e-9 for row in lam_json)
+
+
+def test_drfa_reproduction_script_quick(tmp_path: Path) -> None:
+    """scripts/reproduce/drfa.py --quick fills the table for every method and writes both plots."""
+    cmd = [sys.executable, "scripts/reproduce/drfa.py", "--quick", "--rounds", "2", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "table.md").read_text()
+    for method in ("DRFA", "AFL", "q-FedAvg", "FedAvg", "tau=5", "tau=15", "authors' code"):
+        assert method in table, method
+    assert (tmp_path / "worst_acc.png").stat().st_size > 0 and (tmp_path / "lambda.png").stat().st_size > 0
+
+
+def test_issue_drfa_commands(tmp_path: Path) -> None:
+    """`algo=drfa data=fashion_mnist partition=one_class_per_client` composes; DRFA runs on Adult (by race, MLP
+    14-50-50-2) from tiny UCI files, and algo=drfa_prox / drfa_ga / afl / qfedavg run on digits."""
+    cfg = compose(tmp_path / "f", "algo=drfa", "data=fashion_mnist", "partition=one_class_per_client")
+    assert cfg.algo.parts.lambda_sampling.gamma == 8e-3 and cfg.partition.num_clients == 10
+    for algo in ("drfa_prox", "drfa_ga", "afl", "qfedavg"):
+        metrics = train(compose(tmp_path / algo, f"algo={algo}", *SMALL, "algo.rounds=2", "logger=none"))
+        assert 0 <= metrics["test/acc"] <= 1
+    _write_tiny_adult(tmp_path / "data" / "adult")
+    adult = ["algo=drfa", "data=adult", "data.loader.split_by=race", "partition=by_group", "partition.test_fraction=0.25"]
+    adult += ["model=mlp", "model.hidden=[50,50]", f"paths.data_dir={tmp_path / 'data'}", "algo.rounds=2", *QUIET]
+    metrics = train(compose(tmp_path / "adult", *adult, "logger=none"))
+    assert 0 <= metrics["test/client_acc_worst"] <= metrics["test/client_acc_mean"] <= 1
+
+
+def _write_tiny_adult(folder: Path, per_race: int = 8) -> None:
+    """UCI adult.data / adult.test rows (15 comma-space separated columns; the test file's comment line and '.')."""
+    rng = np.random.default_rng(0)
+    races = ["White", "Black", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other"]
+
+    def rows(dot: str) -> list[str]:
+        out = []
+        for race in races:
+            for _ in range(per_race):
+                age, hours, label = int(rng.integers(18, 70)), int(rng.integers(10, 60)), rng.random() < 0.3
+                sex = "Female" if rng.random() < 0.5 else "Male"
+                out.append(
+                    f"{age}, Private, {int(rng.integers(20000, 300000))}, Bachelors, 13, Never-married, Sales, "
+                    f"Not-in-family, {race}, {sex}, 0, 0, {hours}, United-States, {'>50K' if label else '<=50K'}{dot}"
+                )
+        return out
+
+    folder.mkdir(parents=True)
+    (folder / "adult.data").write_text("\n".join(rows("")) + "\n")
+    (folder / "adult.test").write_text("|1x3 Cross validator\n" + "\n".join(rows(".")) + "\n")
