@@ -181,6 +181,21 @@ CASES = [
         ("model.pretrained_path=", "{tmp}/missing.pth", "no such file"),
         slow=True,
     ),
+    # --- algorithm parts (checked when the parts are built inside the run) ---
+    Case(
+        "codasca-control",
+        ("algo=codasca", "data=digits_binary", "algo.control=scaffold"),
+        ("algo.control=", "scaffold", "grad_mean"),
+        slow=True,
+    ),
+    Case(
+        "drfa-sampling",
+        ("algo=drfa", "algo.sampling=poisson"),
+        ("algo.sampling=", "poisson", "uniform_weighted"),
+        slow=True,
+    ),
+    Case("drfa-prox-rho", ("algo=drfa_prox", "algo.rho=0"), ("algo.rho=0", "> 0"), slow=True),
+    Case("qfedavg-q-negative", ("algo=qfedavg", "algo.q=-1"), ("algo.q=-1", ">= 0"), slow=True),
 ]
 
 
