@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flx.callbacks.base import FederatedCallback
 from flx.datamodules.datamodule import ClientStore
+from flx.errors import ConfigError
 from flx.federation import Federation, FederationConfig
 
 
@@ -65,3 +67,27 @@ def full_batch_gd(net: nn.Module, x: Tensor, y: Tensor, lr: float, steps: int) -
             for p in net.parameters():
                 p -= lr * p.grad
     return net
+
+
+def binary_store(
+    pos: Sequence[int], neg: Sequence[int], dim: int = 4, seed: int = 0, shift: float = 0.0
+) -> ClientStore:
+    """Client c holds pos[c] positives (label 1, inputs shifted by ``shift``) then neg[c] negatives (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    ys, idx, start = [], [], 0
+    for p, n in zip(pos, neg):
+        ys.append(torch.tensor([1] * p + [0] * n))
+        idx.append(torch.arange(start, start + p + n))
+        start += p + n
+    y = torch.cat(ys)
+    x = torch.randn(len(y), dim, generator=g, dtype=torch.float64) + shift * y[:, None].double()
+    return ClientStore(x, y, idx)
+
+
+def raises_one_line(func: Callable[..., object], *args: object, match: str, **kwargs: object) -> str:
+    """Calls ``func`` expecting a one-line :class:`ConfigError` containing ``match``; returns the message."""
+    with pytest.raises(ConfigError) as info:
+        func(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message and match in message, message
+    return message

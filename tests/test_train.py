@@ -89,6 +89,14 @@ def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def _script(name: str, *args: str) -> None:
+    """Runs ``scripts/reproduce/<name>`` with ``args``; it must exit 0."""
+    cmd = [sys.executable, f"scripts/reproduce/{name}", *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_one_process_equals_two_processes(tmp_path: Path) -> None:
     """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model and the
     same per-client state (every rank's store holds every client's state)."""
@@ -277,10 +285,7 @@ def test_fedxl_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
 
 def test_fedxl_reproduction_script_quick(tmp_path: Path) -> None:
     """scripts/reproduce/fedxl.py --quick writes both tables (every method, with numbers) and the plot."""
-    cmd = [sys.executable, "scripts/reproduce/fedxl.py", "--quick", "--rounds", "1", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _script("fedxl.py", "--quick", "--rounds", "1", "--out", str(tmp_path))
     table2 = (tmp_path / "table2.md").read_text()
     assert all(m in table2 for m in ("FeDXL2", "Local Pair", "Local SGD (CE)", "Centralized", "CODASCA"))
     assert "not implemented" not in table2 and table2.count("±") == 2 * 5
@@ -325,11 +330,8 @@ def test_fedxl_reproduction_script_on_cifar10_files(tmp_path: Path) -> None:
     """--data cifar10 reads the real CIFAR-10 format (tiny files here) and fills both tables (small overrides)."""
     _write_tiny_cifar10(tmp_path / "data", per_batch=40)
     small = ["model=logreg", "partition.num_clients=2", "algo.local_steps=2", f"paths.data_dir={tmp_path / 'data'}"]
-    cmd = [sys.executable, "scripts/reproduce/fedxl.py", "--data", "cifar10", "--quick", "--rounds", "1"]
-    cmd += ["--out", str(tmp_path / "out"), "--set", *small]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = ["--out", str(tmp_path / "out"), "--set", *small]
+    _script("fedxl.py", "--data", "cifar10", "--quick", "--rounds", "1", *out)
     assert (tmp_path / "out" / "table2.md").read_text().count("±") == 2 * 5
 
 
@@ -392,10 +394,7 @@ def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
 
 def test_drfa_reproduction_script_quick(tmp_path: Path) -> None:
     """scripts/reproduce/drfa.py --quick fills the table for every method and writes both plots."""
-    cmd = [sys.executable, "scripts/reproduce/drfa.py", "--quick", "--rounds", "2", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _script("drfa.py", "--quick", "--rounds", "2", "--out", str(tmp_path))
     table = (tmp_path / "table.md").read_text()
     for method in ("DRFA", "AFL", "q-FedAvg", "FedAvg", "tau=5", "tau=15", "authors' code"):
         assert method in table, method
@@ -410,8 +409,18 @@ def test_issue_drfa_commands(tmp_path: Path) -> None:
     for algo in ("drfa_prox", "drfa_ga", "afl", "qfedavg"):
         metrics = train(compose(tmp_path / algo, f"algo={algo}", *SMALL, "algo.rounds=2", "logger=none"))
         assert 0 <= metrics["test/acc"] <= 1
+    prox = ["+algo.parts.prox._target_=flx.callbacks.prox.Prox", "+algo.parts.prox.mu=0.1"]
+    cfg = compose(tmp_path / "prox", "algo=drfa", *prox, *SMALL, "algo.rounds=2", "logger=none")
+    assert list(cfg.algo.parts) == ["lambda_sampling", "prox"]
+    assert 0 <= train(cfg)["test/acc"] <= 1
     _write_tiny_adult(tmp_path / "data" / "adult")
-    adult = ["algo=drfa", "data=adult", "data.loader.split_by=race", "partition=by_group", "partition.test_fraction=0.25"]
+    adult = [
+        "algo=drfa",
+        "data=adult",
+        "data.loader.split_by=race",
+        "partition=by_group",
+        "partition.test_fraction=0.25",
+    ]
     adult += ["model=mlp", "model.hidden=[50,50]", f"paths.data_dir={tmp_path / 'data'}", "algo.rounds=2", *QUIET]
     metrics = train(compose(tmp_path / "adult", *adult, "logger=none"))
     assert 0 <= metrics["test/client_acc_worst"] <= metrics["test/client_acc_mean"] <= 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import linear, make_fed, run_rounds
+from helpers import binary_store, linear, make_fed, run_rounds
 from torch import nn
 
 from flx.callbacks.codasca import Codasca
@@ -13,16 +13,8 @@ from flx.errors import ConfigError
 from flx.losses import aucm
 
 
-def _data(pos: list[int], neg: list[int], dim: int = 4) -> ClientStore:
-    g = torch.Generator().manual_seed(1)
-    ys, idx, start = [], [], 0
-    for p, n in zip(pos, neg):
-        ys.append(torch.tensor([1] * p + [0] * n))
-        idx.append(torch.arange(start, start + p + n))
-        start += p + n
-    y = torch.cat(ys)
-    x = torch.randn(len(y), dim, generator=g, dtype=torch.float64) + y[:, None].double() * 0.5
-    return ClientStore(x, y, idx)
+def _data(pos: list[int], neg: list[int]) -> ClientStore:
+    return binary_store(pos, neg, seed=1, shift=0.5)
 
 
 def _net() -> nn.Module:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import linear, make_fed, params, run_rounds
+from helpers import binary_store, linear, make_fed, params, run_rounds
 from torch import nn
 
 from flx.callbacks.passive_buffer import PassiveBuffer
@@ -14,15 +14,7 @@ from flx.losses import xrisk
 
 
 def _binary_data(pos: list[int], neg: list[int], dim: int = 4) -> ClientStore:
-    """Client c holds pos[c] positives then neg[c] negatives (float64)."""
-    g = torch.Generator().manual_seed(0)
-    ys, idx, start = [], [], 0
-    for p, n in zip(pos, neg):
-        ys.append(torch.tensor([1] * p + [0] * n))
-        idx.append(torch.arange(start, start + p + n))
-        start += p + n
-    y = torch.cat(ys)
-    return ClientStore(torch.randn(len(y), dim, generator=g, dtype=torch.float64), y, idx)
+    return binary_store(pos, neg, dim)
 
 
 def _constant_pools(c1: float, c2: float, n: int = 50) -> list[dict[str, torch.Tensor]]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import gzip
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import raises_one_line
 
 from flx.config import precheck
 from flx.datamodules.adult import COLUMNS, FEATURES, GROUPS, adult
@@ -46,14 +47,6 @@ def write_adult(root: Path, train: Sequence[str], test: Sequence[str], gz: bool 
         path = folder / (name + ".gz" if gz else name)
         path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
     return folder
-
-
-def raises_one_line(func: Callable[..., object], *args: object, match: str, **kwargs: object) -> str:
-    with pytest.raises(ConfigError) as info:
-        func(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message and match in message, message
-    return message
 
 
 # four train rows and three test rows with hand-checkable values

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import raises_one_line
 
 from flx.config import precheck
 from flx.datamodules.datamodule import FederatedDataModule
@@ -23,7 +24,6 @@ from flx.datamodules.shakespeare import (
     shakespeare,
     text_to_ids,
 )
-from flx.errors import ConfigError
 
 TEXT = (
     "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
@@ -72,14 +72,6 @@ USERS = ("THE_TRAGEDY_OF_HAMLET_HAMLET", "THE_TRAGEDY_OF_HAMLET_OPHELIA", "THE_T
 def write_dataset(root: Path, train: dict = TRAIN, test: dict = TEST) -> None:
     write_leaf(root, "train", train)
     write_leaf(root, "test", test)
-
-
-def raises_one_line(func: Callable[..., object], *args: object, match: str, **kwargs: object) -> str:
-    with pytest.raises(ConfigError) as info:
-        func(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message and match in message, message
-    return message
 
 
 # ---------------------------------------------------------------------------------------------------------------------
