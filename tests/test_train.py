@@ -292,17 +292,22 @@ def test_fedxl_reproduction_script_quick(tmp_path: Path) -> None:
     assert "FeDXL1" in (tmp_path / "table3.md").read_text() and (tmp_path / "convergence.png").stat().st_size > 0
 
 
-def test_fedxl2_one_process_equals_two_processes(tmp_path: Path) -> None:
-    """FeDXL2 on 2 CPU processes: score pools all-gathered in client order, momentum mean all-reduced, so the
-    model, the merged pools and the server momentum equal the 1-process run."""
-    common = ["algo=fedxl2", *FEDXL, "algo.rounds=3"]
+def _one_and_two_processes(tmp_path: Path, *common: str, part: str) -> tuple[dict, dict, dict, dict]:
+    """Runs ``common`` on 1 and on 2 CPU processes; asserts equal models; returns both checkpoints and the part's
+    state in each."""
     _cli(tmp_path / "one", *common)
     _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
     for k in one["state_dict"]:
         torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
-    (key,) = [k for k in one["callbacks"] if "PassiveBuffer" in k]
-    p1, p2 = one["callbacks"][key], two["callbacks"][key]
+    (key,) = [k for k in one["callbacks"] if part in k]
+    return one, two, one["callbacks"][key], two["callbacks"][key]
+
+
+def test_fedxl2_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """FeDXL2 on 2 CPU processes: score pools all-gathered in client order, momentum mean all-reduced, so the
+    model, the merged pools and the server momentum equal the 1-process run."""
+    _, _, p1, p2 = _one_and_two_processes(tmp_path, "algo=fedxl2", *FEDXL, "algo.rounds=3", part="PassiveBuffer")
     for name in ("pos", "u", "neg"):
         torch.testing.assert_close(p1["pools"][-1][name], p2["pools"][-1][name], rtol=0, atol=1e-5)
     torch.testing.assert_close(p1["gbar"], p2["gbar"], rtol=0, atol=1e-6)
@@ -312,14 +317,9 @@ def test_codasca_one_process_equals_two_processes(tmp_path: Path) -> None:
     """CODASCA on 2 CPU processes: (a, b, alpha) and the control-variate deltas go through one all-reduce, the
     clients' c_i through the state all-gather; model, server state and every c_i equal the 1-process run."""
     common = ["algo=codasca", *FEDXL, "algo.rounds=3", "algo.t0=8"]
-    _cli(tmp_path / "one", *common)
-    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
-    one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
-    for k in one["state_dict"]:
-        torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
-    (key,) = [k for k in one["callbacks"] if "Codasca" in k]
+    one, two, p1, p2 = _one_and_two_processes(tmp_path, *common, part="Codasca")
     for name in ("abz", "c", "ref"):
-        torch.testing.assert_close(one["callbacks"][key][name], two["callbacks"][key][name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(p1[name], p2[name], rtol=0, atol=1e-5)
     c1, c2 = one["flx"]["store"]["clients"], two["flx"]["store"]["clients"]
     assert c1.keys() == c2.keys() == set(range(4))
     for cid in c1:
@@ -369,15 +369,9 @@ def test_drfa_resume_equals_uninterrupted(tmp_path: Path) -> None:
 def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
     """DRFA on 2 CPU processes: snapshot mean and v all-reduced, so lambda and the model equal the 1-process run,
     including rounds whose cohort (drawn with replacement) holds one distinct client and leaves a rank idle."""
-    common = [*DRFA, "algo.rounds=4"]
-    _cli(tmp_path / "one", *common)
-    _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2")
-    one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
+    one, _, p1, p2 = _one_and_two_processes(tmp_path, *DRFA, "algo.rounds=4", part="LambdaSampling")
     assert any(len(set(c)) == 1 for c in _drfa_cohorts(one, 4))
-    for k in one["state_dict"]:
-        torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
-    (key,) = [k for k in one["callbacks"] if "LambdaSampling" in k]
-    torch.testing.assert_close(one["callbacks"][key]["lam"], two["callbacks"][key]["lam"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(p1["lam"], p2["lam"], rtol=0, atol=1e-6)
     # the logged round loss is the mean over all the round's clients, whatever rank trained them (or none)
     losses = [
         [
