@@ -143,8 +143,10 @@ def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("WANDB_SILENT", "true")
     for logger in ("wandb", "tensorboard"):
         out = tmp_path / logger
-        metrics = train(compose(out, *SMALL, f"logger={logger}", "algo.rounds=1", "partition.test_fraction=0.2"))
+        algo = ["algo=drfa", "algo.rounds=2"] if logger == "wandb" else ["algo.rounds=1"]  # + lambda's W&B table
+        metrics = train(compose(out, *SMALL, f"logger={logger}", *algo, "partition.test_fraction=0.2"))
         assert "test/acc" in metrics
+    assert json.loads((tmp_path / "wandb" / "lambda.json").read_text())["round_end"][1]
     assert list((tmp_path / "wandb").rglob("*.wandb")), "no offline W&B run written"
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*")), "no TensorBoard events written"
 
