@@ -195,6 +195,10 @@ CASES = [
         slow=True,
     ),
     Case("drfa-prox-rho", ("algo=drfa_prox", "algo.rho=0"), ("algo.rho=0", "> 0"), slow=True),
+    Case(
+        "codasca-on-multiclass-data", ("algo=codasca", "data=digits"), ("data:", "binary", "digits_binary"), slow=True
+    ),
+    Case("fedxl-on-multiclass-data", ("algo=fedxl2", "data=digits"), ("data:", "binary", "10 classes"), slow=True),
     Case("qfedavg-q-negative", ("algo=qfedavg", "algo.q=-1"), ("algo.q=-1", ">= 0"), slow=True),
 ]
 

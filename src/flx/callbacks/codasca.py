@@ -95,6 +95,7 @@ class Codasca(FederatedCallback):
             raise bad_value("algo.local_epochs", fed.cfg.local_epochs, "CODASCA counts stages in steps: use null")
         st, n = self.state, self._numel(fed)
         if not st:
+            xrisk.check_binary_labels(fed.data.y, "algo=codasca")
             like = fed.params[0]
             rows = torch.cat(list(fed.data.client_indices))
             ratio = self.params.p if self.params.p is not None else float((fed.data.y[rows] == 1).double().mean())

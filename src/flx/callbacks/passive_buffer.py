@@ -98,10 +98,14 @@ class PassiveBuffer(FederatedCallback):
         self.f_prime = functools.partial(xrisk.kl_opauc_outer_prime, lam=p.lam)
         self.pools: list[dict[str, Tensor]] = []  # oldest first; keys pos, u, neg
         self.gbar: Tensor | None = None
+        self._labels_checked = False
 
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+        if not self._labels_checked:
+            xrisk.check_binary_labels(fed.data.y, "FeDXL (algo=fedxl1|fedxl2|fedxl_localpair)")
+            self._labels_checked = True
         if not self.pools and self.params.pairs == "passive":
             self.pools = [self._initial_pool(fed)]
         self._merged = (

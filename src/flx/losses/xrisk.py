@@ -57,6 +57,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from flx.errors import ConfigError
+
 PairLoss = Callable[[Tensor, Tensor], Tensor]
 """An elementwise pairwise loss ``ell(a, b)`` on broadcastable score tensors."""
 
@@ -68,6 +70,17 @@ def binary_score(outputs: Tensor, kind: str = "sigmoid") -> Tensor:
     """
     margin = outputs[:, 1] - outputs[:, 0] if outputs.shape[-1] == 2 else outputs.reshape(-1)
     return torch.sigmoid(margin) if kind == "sigmoid" else margin
+
+
+def check_binary_labels(y: Tensor, algo: str) -> None:
+    """One clear error when an AUC / X-risk algorithm is given labels other than 0/1 (e.g. a 10-class dataset)."""
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) > 1):
+        classes = int(torch.unique(y).numel())
+        why = (
+            f"{algo} needs a binary task (labels 0/1), the data has {classes} classes: use data=digits_binary, "
+            "breast_cancer, cifar10_binary, cifar100_binary or chestmnist"
+        )
+        raise ConfigError(f"data: {why}")
 
 
 def _hinge(a: Tensor, b: Tensor, margin: float) -> Tensor:
