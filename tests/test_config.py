@@ -199,6 +199,18 @@ CASES = [
         "codasca-on-multiclass-data", ("algo=codasca", "data=digits"), ("data:", "binary", "digits_binary"), slow=True
     ),
     Case("fedxl-on-multiclass-data", ("algo=fedxl2", "data=digits"), ("data:", "binary", "10 classes"), slow=True),
+    Case(
+        "fedxl-client-without-positives",
+        ("algo=fedxl2", "data=digits_binary", "partition=one_class", "partition.num_clients=4"),
+        ("partition:", "client 0 has no positives", "stratified"),
+        slow=True,
+    ),
+    Case(
+        "drfa-lambda-floor-above-uniform",
+        ("algo=drfa", "algo.lambda_floor=0.5"),
+        ("algo.lambda_floor=0.5", "1/N"),
+        slow=True,
+    ),
     Case("qfedavg-q-negative", ("algo=qfedavg", "algo.q=-1"), ("algo.q=-1", ">= 0"), slow=True),
 ]
 

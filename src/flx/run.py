@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
+from flx.callbacks.base import FederatedCallback
 from flx.config import validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError
@@ -94,6 +95,9 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     fed = Federation(federation_config(cfg), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients)
     parts = _instantiate_group(cfg.algo.get("parts"))
+    for part in parts:
+        if isinstance(part, FederatedCallback):
+            part.check_data(dm)
     return dm, module, build_trainer(cfg, parts)
 
 

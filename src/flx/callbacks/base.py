@@ -4,6 +4,9 @@ A part owns one mechanism and its state (``state_dict``/``load_state_dict`` as a
 so it is saved with the checkpoint). Parts are listed in the algorithm config; hook order is list order.
 Every hook is optional; the federation calls a hook only on the parts that override it.
 
+Build time: ``check_data(datamodule)`` runs once the data is loaded and partitioned, before the Trainer starts,
+so a part that cannot use the data (an AUC part on a 10-class task) stops the run with one line.
+
 Server side (run identically on every rank):
 
 =====================  ==========================================================================
@@ -28,7 +31,7 @@ Client side (per client, on the rank that trains it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from lightning.pytorch import Callback
@@ -53,6 +56,13 @@ HOOKS = (
 
 class FederatedCallback(Callback):
     """Base class of algorithm parts. Override only the hooks the mechanism needs."""
+
+    def check_data(self, datamodule: Any) -> None:
+        """Before the Trainer starts (data loaded and partitioned): raise a ConfigError for data the part cannot use.
+
+        ``datamodule`` is the set-up :class:`~flx.datamodules.datamodule.FederatedDataModule`; a check here fails
+        with one line before Lightning prints anything.
+        """
 
     def sample_clients(self, fed: Federation, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:
         """Returns the cohort (client ids; repeats allowed and count as multiplicity), or None to defer."""

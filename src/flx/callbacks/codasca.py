@@ -88,6 +88,10 @@ class Codasca(FederatedCallback):
             raise bad_value("algo.p", p.p, "the positive ratio, in (0, 1); null = measured on the training set")
         self.state: dict[str, Any] = {}
 
+    @override
+    def check_data(self, datamodule: Any) -> None:
+        xrisk.check_binary_labels(datamodule.data.y_train, "algo=codasca")
+
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
@@ -95,7 +99,6 @@ class Codasca(FederatedCallback):
             raise bad_value("algo.local_epochs", fed.cfg.local_epochs, "CODASCA counts stages in steps: use null")
         st, n = self.state, self._numel(fed)
         if not st:
-            xrisk.check_binary_labels(fed.data.y, "algo=codasca")
             like = fed.params[0]
             rows = torch.cat(list(fed.data.client_indices))
             ratio = self.params.p if self.params.p is not None else float((fed.data.y[rows] == 1).double().mean())

@@ -96,11 +96,15 @@ class LambdaSampling(FederatedCallback):
         self.lam: Tensor | None = None
         self.history: list[list[float]] = []
 
+    @override
+    def check_data(self, datamodule: Any) -> None:
+        n = datamodule.num_clients
+        if self.params.lambda_floor * n >= 1:
+            raise bad_value("algo.lambda_floor", self.params.lambda_floor, f"below 1/N = {1 / n:g}")
+
     # ------------------------------------------------------------------ lambda
     def _init_lambda(self, fed: Federation) -> None:
         n = fed.num_clients
-        if self.params.lambda_floor * n >= 1:
-            raise bad_value("algo.lambda_floor", self.params.lambda_floor, f"below 1/N = {1 / n:g}")
         if self.params.lambda_init == "uniform":
             self.lam = torch.full((n,), 1.0 / n, dtype=torch.float64)
         else:

@@ -42,7 +42,7 @@ from typing_extensions import override
 
 from flx.aggregation import WeightedMean
 from flx.callbacks.base import FederatedCallback
-from flx.errors import bad_value
+from flx.errors import ConfigError, bad_value
 from flx.losses import xrisk
 
 if TYPE_CHECKING:
@@ -98,14 +98,23 @@ class PassiveBuffer(FederatedCallback):
         self.f_prime = functools.partial(xrisk.kl_opauc_outer_prime, lam=p.lam)
         self.pools: list[dict[str, Tensor]] = []  # oldest first; keys pos, u, neg
         self.gbar: Tensor | None = None
-        self._labels_checked = False
+
+    @override
+    def check_data(self, datamodule: Any) -> None:
+        y = datamodule.data.y_train
+        xrisk.check_binary_labels(y, "FeDXL (algo=fedxl1|fedxl2|fedxl_localpair)")
+        for cid, rows in enumerate(datamodule.client_train):
+            positives = int((y[rows] == 1).sum())
+            if positives in (0, len(rows)):
+                has = "no positives" if positives == 0 else "no negatives"
+                raise ConfigError(
+                    f"partition: FeDXL needs positives and negatives on every client; client {cid} has {has} "
+                    "(use partition=stratified or iid, or fewer clients)"
+                )
 
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
-        if not self._labels_checked:
-            xrisk.check_binary_labels(fed.data.y, "FeDXL (algo=fedxl1|fedxl2|fedxl_localpair)")
-            self._labels_checked = True
         if not self.pools and self.params.pairs == "passive":
             self.pools = [self._initial_pool(fed)]
         self._merged = (
