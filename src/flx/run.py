@@ -87,7 +87,11 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         torch.set_num_threads(int(cfg.num_threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = FederatedDataModule(
-        instantiate(cfg.data.loader), instantiate(cfg.partition), cfg.seed, cfg.data.eval_batch_size
+        instantiate(cfg.data.loader),
+        instantiate(cfg.partition),
+        cfg.seed,
+        cfg.data.eval_batch_size,
+        client_eval=cfg.get("client_eval", "holdout"),
     )
     dm.setup("fit")
     net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
@@ -122,4 +126,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     if trainer.is_global_zero and "test/acc" in metrics:
         print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
+    # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
+    # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
+    # exception", status -6)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return metrics
