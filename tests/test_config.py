@@ -86,6 +86,7 @@ CASES = [
     Case("lr-negative", ("algo.lr=-1",), ("algo.lr=-1", "> 0")),
     Case("lr-not-a-number", ("algo.lr=abc",), ("algo.lr=", "abc", "number")),
     Case("lr-inf", ("algo.lr=inf", "debug=default"), ("algo.lr=", "inf")),
+    Case("client-eval-unknown", ("client_eval=train",), ("client_eval", "train", "test_labels")),
     Case("rounds-zero", ("algo.rounds=0",), ("algo.rounds=0", ">= 1")),
     Case("local-steps-zero", ("algo.local_steps=0",), ("algo.local_steps=0", ">= 1")),
     Case("local-epochs-zero", ("algo.local_epochs=0",), ("algo.local_epochs=0", ">= 1")),

@@ -198,6 +198,8 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "data.eval_batch_size", 1)
     if cfg.get("num_threads") is not None:
         _int(cfg, "num_threads", 1)
+    if cfg.get("client_eval", "holdout") not in ("holdout", "test_labels", "test_group"):
+        raise bad_value("client_eval", cfg.client_eval, "allowed: holdout, test_labels, test_group")
     backend = OmegaConf.select(cfg, "state_store.backend")
     if backend not in ("memory", "disk"):
         raise bad_value("state_store.backend", backend, "allowed: memory, disk")

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from flx.datamodules.store import TensorData
+from flx.errors import bad_value
 from flx.loop import RoundLoader
 
 
@@ -57,7 +58,13 @@ class FederatedDataModule(pl.LightningDataModule):
             the data has sample groups (``TensorData.groups_train``) it is called as ``(labels, seed, groups=...)``.
         seed: partition seed.
         eval_batch_size: batch size of validation/test loaders.
+        client_eval: what each client's accuracy (``*/client_acc_*``) is measured on: ``holdout`` (its own test
+            split, ``partition.test_fraction``), ``test_labels`` (the global test rows of the labels it trains on:
+            per-class accuracy for one class per client) or ``test_group`` (the global test rows of its sample
+            group, e.g. Adult's sex or race; every client must hold one group).
     """
+
+    CLIENT_EVAL = ("holdout", "test_labels", "test_group")
 
     def __init__(
         self,
@@ -65,9 +72,13 @@ class FederatedDataModule(pl.LightningDataModule):
         partitioner: Callable[..., Any],
         seed: int = 0,
         eval_batch_size: int = 1024,
+        client_eval: str = "holdout",
     ) -> None:
         super().__init__()
+        if client_eval not in self.CLIENT_EVAL:
+            raise bad_value("client_eval", client_eval, f"allowed: {', '.join(self.CLIENT_EVAL)}")
         self.dataset, self.partitioner, self.seed, self.eval_batch_size = dataset, partitioner, seed, eval_batch_size
+        self.client_eval = client_eval
         self.data: TensorData | None = None
 
     def setup(self, stage: str | None = None) -> None:
@@ -78,15 +89,33 @@ class FederatedDataModule(pl.LightningDataModule):
         split = self.partitioner(self.data.y_train.numpy(), self.seed, **groups)
         self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in split.train]
         self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in split.test]
+        self._client_eval_rows = self.client_test if self.client_eval == "holdout" else self._global_test_rows()
         self.clients = ClientStore(self.data.x_train, self.data.y_train, self.client_train)
 
     @property
     def num_clients(self) -> int:
         return len(self.client_train)
 
+    def _global_test_rows(self) -> list[Tensor]:
+        """Per client, the rows of the GLOBAL test split that share its labels (or its one sample group)."""
+        d = self.data
+        if self.client_eval == "test_labels":
+            return [torch.isin(d.y_test, d.y_train[rows].unique()).nonzero().flatten() for rows in self.client_train]
+        if d.groups_train is None:
+            why = "needs a dataset with sample groups (data=adult, data=shakespeare)"
+            raise bad_value("client_eval", self.client_eval, why)
+        out = []
+        for cid, rows in enumerate(self.client_train):
+            groups = d.groups_train[rows].unique()
+            if len(groups) != 1:
+                why = f"client {cid} holds {len(groups)} groups; every client must hold one (partition=by_group)"
+                raise bad_value("client_eval", self.client_eval, why)
+            out.append((d.groups_test == groups[0]).nonzero().flatten())
+        return out
+
     @property
     def has_client_test(self) -> bool:
-        return sum(len(t) for t in self.client_test) > 0
+        return sum(len(t) for t in self._client_eval_rows) > 0
 
     def train_dataloader(self) -> RoundLoader:
         return RoundLoader()
@@ -104,9 +133,11 @@ class FederatedDataModule(pl.LightningDataModule):
         d = self.data
         loaders = [TensorBatches((d.x_test, d.y_test), self.eval_batch_size, self._rank_rows(len(d.y_test)))]
         if self.has_client_test:
-            rows = torch.cat(self.client_test)
-            owner = torch.cat([torch.full((len(t),), c, dtype=torch.long) for c, t in enumerate(self.client_test)])
-            tensors = (d.x_train[rows], d.y_train[rows], owner)
+            per_client = self._client_eval_rows
+            rows = torch.cat(per_client)
+            owner = torch.cat([torch.full((len(t),), c, dtype=torch.long) for c, t in enumerate(per_client)])
+            x, y = (d.x_train, d.y_train) if self.client_eval == "holdout" else (d.x_test, d.y_test)
+            tensors = (x[rows], y[rows], owner)
             loaders.append(TensorBatches(tensors, self.eval_batch_size, self._rank_rows(len(rows))))
         return loaders
 
