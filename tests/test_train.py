@@ -415,7 +415,7 @@ def test_issue_drfa_commands(tmp_path: Path) -> None:
         "data=adult",
         "data.loader.split_by=race",
         "partition=by_group",
-        "partition.test_fraction=0.25",
+        "client_eval=test_group",
     ]
     adult += ["model=mlp", "model.hidden=[50,50]", f"paths.data_dir={tmp_path / 'data'}", "algo.rounds=2", *QUIET]
     metrics = train(compose(tmp_path / "adult", *adult, "logger=none"))

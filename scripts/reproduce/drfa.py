@@ -4,8 +4,8 @@
     .venv/bin/python scripts/reproduce/drfa.py --quick    # 1 seed, few rounds (smoke)
     .venv/bin/python scripts/reproduce/drfa.py --data fashion_mnist   # the paper's data (files under data/)
 
-Protocol (paper §6 / digest §4.1 E1-E2): N=10 clients, each holding one class (`partition=one_class_per_client`,
-20% of each client's class held out as its own test split), logistic regression, eta 0.1, batch 50, m = N,
+Protocol (paper §6 / digest §4.1 E1-E2): N=10 clients, each holding one class (`partition=one_class_per_client`),
+each measured on the test rows of its class (`client_eval=test_labels`), logistic regression, eta 0.1, batch 50, m = N,
 gamma 8e-3 for DRFA and AFL, q 0.2 for q-FedAvg, tau in {5, 10, 15} for DRFA and tau 10 for the baselines; AFL is
 tau = 1. Every method runs the same number of communication rounds and the same seeds. Writes
 `docs/results/drfa/{table.md,table.csv,worst_acc.png,lambda.png}`: worst-client and mean client accuracy at fixed
@@ -29,6 +29,8 @@ DATA = {"digits": ["data=digits"], "fashion_mnist": ["data=fashion_mnist"]}
 BASE = [
     "model=logreg",
     "partition=one_class_per_client",
+    "partition.test_fraction=0",  # clients train on their whole class ...
+    "client_eval=test_labels",  # ... and are evaluated on the global test rows of it (per-class accuracy)
     "algo.lr=0.1",
     "algo.batch_size=50",
     "algo.clients_per_round=10",
