@@ -212,6 +212,18 @@ CASES = [
         ("algo.lambda_floor=0.5", "1/N"),
         slow=True,
     ),
+    Case(
+        "drfa-with-local-epochs",
+        ("algo=drfa", "algo.local_epochs=1"),
+        ("algo.local_epochs=1", "tau steps"),
+        slow=True,
+    ),
+    Case(
+        "codasca-with-local-epochs",
+        ("algo=codasca", "data=digits_binary", "algo.local_epochs=1"),
+        ("algo.local_epochs=1", "steps"),
+        slow=True,
+    ),
     Case("qfedavg-q-negative", ("algo=qfedavg", "algo.q=-1"), ("algo.q=-1", ">= 0"), slow=True),
 ]
 

@@ -191,6 +191,10 @@ def _check_ckpt(cfg: DictConfig) -> None:
         raise bad_value("ckpt_path", path, "not a flx Lightning checkpoint (no 'state_dict'/'flx' entries)")
 
 
+CLIENT_EVAL = ("holdout", "test_labels", "test_group")
+"""What a client's accuracy is measured on (``client_eval``); see ``FederatedDataModule``."""
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks value ranges and cross-key constraints; raises :class:`ConfigError` with one line."""
     _int(cfg, "seed", 0)
@@ -198,8 +202,8 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "data.eval_batch_size", 1)
     if cfg.get("num_threads") is not None:
         _int(cfg, "num_threads", 1)
-    if cfg.get("client_eval", "holdout") not in ("holdout", "test_labels", "test_group"):
-        raise bad_value("client_eval", cfg.client_eval, "allowed: holdout, test_labels, test_group")
+    if cfg.get("client_eval", "holdout") not in CLIENT_EVAL:
+        raise bad_value("client_eval", cfg.client_eval, f"allowed: {', '.join(CLIENT_EVAL)}")
     backend = OmegaConf.select(cfg, "state_store.backend")
     if backend not in ("memory", "disk"):
         raise bad_value("state_store.backend", backend, "allowed: memory, disk")

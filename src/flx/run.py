@@ -101,7 +101,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:
         if isinstance(part, FederatedCallback):
-            part.check_data(dm)
+            part.check_setup(dm, fed.cfg)
     return dm, module, build_trainer(cfg, parts)
 
 

@@ -4,8 +4,9 @@ A part owns one mechanism and its state (``state_dict``/``load_state_dict`` as a
 so it is saved with the checkpoint). Parts are listed in the algorithm config; hook order is list order.
 Every hook is optional; the federation calls a hook only on the parts that override it.
 
-Build time: ``check_data(datamodule)`` runs once the data is loaded and partitioned, before the Trainer starts,
-so a part that cannot use the data (an AUC part on a 10-class task) stops the run with one line.
+Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, before the Trainer
+starts, so a part that cannot use the data or the protocol settings (an AUC part on a 10-class task, a step-counting
+part with ``local_epochs``) stops the run with one line.
 
 Server side (run identically on every rank):
 
@@ -38,7 +39,7 @@ from lightning.pytorch import Callback
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, RoundContext
+    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
 
 HOOKS = (
     "sample_clients",
@@ -57,11 +58,12 @@ HOOKS = (
 class FederatedCallback(Callback):
     """Base class of algorithm parts. Override only the hooks the mechanism needs."""
 
-    def check_data(self, datamodule: Any) -> None:
-        """Before the Trainer starts (data loaded and partitioned): raise a ConfigError for data the part cannot use.
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+        """Before the Trainer starts: raise a ConfigError for data or protocol settings the part cannot use.
 
-        ``datamodule`` is the set-up :class:`~flx.datamodules.datamodule.FederatedDataModule`; a check here fails
-        with one line before Lightning prints anything.
+        ``datamodule`` is the set-up :class:`~flx.datamodules.datamodule.FederatedDataModule` (data loaded and
+        partitioned), ``cfg`` the round protocol's settings; a check here fails with one line before Lightning
+        prints anything.
         """
 
     def sample_clients(self, fed: Federation, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:

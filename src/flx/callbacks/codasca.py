@@ -48,7 +48,7 @@ from flx.errors import bad_value
 from flx.losses import aucm, xrisk
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, RoundContext
+    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
 
 A, B, ALPHA = 0, 1, 2  # offsets of a, b, alpha after the flattened w in the (n + 3) vectors
 
@@ -89,14 +89,14 @@ class Codasca(FederatedCallback):
         self.state: dict[str, Any] = {}
 
     @override
-    def check_data(self, datamodule: Any) -> None:
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         xrisk.check_binary_labels(datamodule.data.y_train, "algo=codasca")
+        if cfg.local_epochs is not None:
+            raise bad_value("algo.local_epochs", cfg.local_epochs, "CODASCA counts stages in steps: use null")
 
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
-        if fed.cfg.local_epochs is not None:
-            raise bad_value("algo.local_epochs", fed.cfg.local_epochs, "CODASCA counts stages in steps: use null")
         st, n = self.state, self._numel(fed)
         if not st:
             like = fed.params[0]

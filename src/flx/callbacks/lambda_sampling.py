@@ -49,7 +49,7 @@ from flx.errors import bad_value
 from flx.federation import _copy, derive_seed
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, RoundContext
+    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
 MAX_LOGGED_CLIENTS = 100  # lambda/<i> is logged per client up to this many clients (lambda/max always)
@@ -97,10 +97,12 @@ class LambdaSampling(FederatedCallback):
         self.history: list[list[float]] = []
 
     @override
-    def check_data(self, datamodule: Any) -> None:
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         n = datamodule.num_clients
         if self.params.lambda_floor * n >= 1:
             raise bad_value("algo.lambda_floor", self.params.lambda_floor, f"below 1/N = {1 / n:g}")
+        if self.params.mode == "drfa" and cfg.local_epochs is not None:
+            raise bad_value("algo.local_epochs", cfg.local_epochs, "DRFA draws t' among tau steps: use null")
 
     # ------------------------------------------------------------------ lambda
     def _init_lambda(self, fed: Federation) -> None:
@@ -132,8 +134,6 @@ class LambdaSampling(FederatedCallback):
         self._snap_step = 0
         if self.params.mode == "drfa":
             rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, _SNAPSHOT_TAG))
-            if fed.cfg.local_epochs is not None:
-                raise bad_value("algo.local_epochs", fed.cfg.local_epochs, "DRFA draws t' among tau steps: use null")
             self._snap_step = int(rng.integers(1, fed.cfg.local_steps + 1))  # j = t' - s tau in {1..tau}
             if not hasattr(self, "_snapshots"):
                 self._snapshots = WeightedMean(fed.local_state)

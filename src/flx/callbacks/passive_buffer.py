@@ -46,7 +46,7 @@ from flx.errors import ConfigError, bad_value
 from flx.losses import xrisk
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, RoundContext
+    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
 
 LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
 
@@ -100,7 +100,7 @@ class PassiveBuffer(FederatedCallback):
         self.gbar: Tensor | None = None
 
     @override
-    def check_data(self, datamodule: Any) -> None:
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         y = datamodule.data.y_train
         xrisk.check_binary_labels(y, "FeDXL (algo=fedxl1|fedxl2|fedxl_localpair)")
         for cid, rows in enumerate(datamodule.client_train):

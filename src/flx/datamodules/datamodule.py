@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from flx.config import CLIENT_EVAL
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.loop import RoundLoader
@@ -64,8 +65,6 @@ class FederatedDataModule(pl.LightningDataModule):
             group, e.g. Adult's sex or race; every client must hold one group).
     """
 
-    CLIENT_EVAL = ("holdout", "test_labels", "test_group")
-
     def __init__(
         self,
         dataset: Callable[[], TensorData] | TensorData,
@@ -75,8 +74,8 @@ class FederatedDataModule(pl.LightningDataModule):
         client_eval: str = "holdout",
     ) -> None:
         super().__init__()
-        if client_eval not in self.CLIENT_EVAL:
-            raise bad_value("client_eval", client_eval, f"allowed: {', '.join(self.CLIENT_EVAL)}")
+        if client_eval not in CLIENT_EVAL:
+            raise bad_value("client_eval", client_eval, f"allowed: {', '.join(CLIENT_EVAL)}")
         self.dataset, self.partitioner, self.seed, self.eval_batch_size = dataset, partitioner, seed, eval_batch_size
         self.client_eval = client_eval
         self.data: TensorData | None = None

@@ -98,10 +98,9 @@ class FederatedModule(pl.LightningModule):
         self._round_loss: tuple[Tensor | float, int] = (0.0, 0)
 
     def on_train_epoch_end(self) -> None:
-        # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of this rank's
-        # clients, averaged over ranks weighted by their client counts
-        # one sum of (loss total, client count) over ranks, then the same value logged on every rank; a rank left
-        # idle by a cohort with repeats adds (0, 0). (Lightning's sync_dist would average the integer batch sizes.)
+        # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of the round's
+        # clients. One sum of (loss total, client count) over ranks, then the same value logged on every rank; a rank
+        # left idle by a cohort with repeats adds (0, 0). (Lightning's sync_dist would average the integer batch sizes.)
         total, n = self._round_loss
         sums = torch.tensor([float(total), float(n)], dtype=torch.float64)
         if self.trainer.world_size > 1:
