@@ -21,7 +21,7 @@ from torch import Tensor
 ReduceFn = Callable[[Tensor], Tensor]
 
 
-def _flat_views(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+def flat_views(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     """Views into ``flat`` with the shapes of ``like`` (in order)."""
     views, offset = [], 0
     for t in like:
@@ -46,7 +46,7 @@ class WeightedMean:
         numel = sum(t.numel() for t in like)
         device = like[0].device if like else torch.device("cpu")
         self._flat = torch.zeros(numel + 1, dtype=buffer_dtype(like), device=device)  # last entry: weight sum
-        self._sums = _flat_views(self._flat[:-1], like)
+        self._sums = flat_views(self._flat[:-1], like)
 
     def reset(self) -> None:
         self._flat.zero_()
@@ -86,8 +86,8 @@ class CountMean:
         numel = sum(t.numel() for t in like)
         device = like[0].device if like else torch.device("cpu")
         self._flat = torch.zeros(2 * numel, dtype=buffer_dtype(like), device=device)
-        self._sums = _flat_views(self._flat[:numel], like)
-        self._counts = _flat_views(self._flat[numel:], like)
+        self._sums = flat_views(self._flat[:numel], like)
+        self._counts = flat_views(self._flat[numel:], like)
 
     def reset(self) -> None:
         self._flat.zero_()

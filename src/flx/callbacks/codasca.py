@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from flx.aggregation import flat_views
 from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
 from flx.losses import aucm, xrisk
@@ -120,6 +121,7 @@ class Codasca(FederatedCallback):
             st["ref_sum"].zero_()
             st["ref_count"], st["stage"] = 0, stage
         self.lr = fed.cfg.lr / self.params.decay ** st["stage"]
+        self._ref_w = flat_views(st["ref"][:n], fed.params)
         for group in fed.local_opt.param_groups:
             group["lr"] = self.lr
         self._sums = torch.zeros(4 + n + 3, dtype=st["c"].dtype, device=st["c"].device)  # a,b,alpha; weight; dc
@@ -164,6 +166,8 @@ class Codasca(FederatedCallback):
             "corr": (st["c"] - ci) if self.params.control == "grad_mean" else torch.zeros_like(ci),
             "acc": torch.zeros_like(ci),
         }
+        s, n = client.extras["codasca"], self._numel(fed)
+        s["corr_w"], s["acc_w"] = flat_views(s["corr"][:n], fed.params), flat_views(s["acc"][:n], fed.params)
 
     @override
     def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:
@@ -176,14 +180,16 @@ class Codasca(FederatedCallback):
     def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
         p, st, s, lr = self.params, self.state, client.extras["codasca"], self.lr
         n, wd, corr, ref = self._numel(fed), fed.cfg.weight_decay, s["corr"], st["ref"]
+        # per parameter tensor, no flattening: g <- clip(g) + (c - c_i) + (w - w_ref) / gamma; c_i sums the raw g
         grads = [q.grad for q in fed.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        s["acc"][:n] += flat
-        direction = flat.clamp(-p.clip, p.clip) if p.clip is not None else flat.clone()
-        direction += corr[:n]
-        direction += (torch.cat([q.detach().reshape(-1) for q in fed.params]) - ref[:n]) / p.gamma
-        for g, chunk in zip(grads, direction.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))  # the SGD step (lr = eta_s, weight decay wd) then moves w
+        torch._foreach_add_(s["acc_w"], grads)
+        if p.clip is not None:
+            torch._foreach_clamp_min_(grads, -p.clip)
+            torch._foreach_clamp_max_(grads, p.clip)
+        torch._foreach_add_(grads, s["corr_w"])
+        prox = torch._foreach_sub([q.detach() for q in fed.params], self._ref_w)
+        torch._foreach_div_(prox, p.gamma)
+        torch._foreach_add_(grads, prox)  # the SGD step (lr = eta_s, weight decay wd) then moves w
         a, b, alpha = s["a"], s["b"], s["alpha"]
         for i, var in ((A, a), (B, b)):
             g = var.grad

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.aggregation import WeightedMean
+from flx.aggregation import WeightedMean, flat_views
 from flx.callbacks.base import FederatedCallback
 from flx.errors import ConfigError, bad_value
 from flx.losses import xrisk
@@ -236,10 +236,10 @@ class PassiveBuffer(FederatedCallback):
         if self.params.beta == 1.0:
             return
         s, grads = client.extras["fedxl"], [p.grad for p in fed.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        s["m"].mul_(1 - self.params.beta).add_(flat, alpha=self.params.beta)  # m = (1-beta) m + beta g
-        for g, chunk in zip(grads, s["m"].split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))  # the SGD step then moves w by -eta m
+        m = s.setdefault("m_views", flat_views(s["m"], grads))  # per parameter tensor, no flattening per step
+        torch._foreach_mul_(m, 1 - self.params.beta)
+        torch._foreach_add_(m, grads, alpha=self.params.beta)  # m = (1-beta) m + beta g
+        torch._foreach_copy_(grads, m)  # the SGD step then moves w by -eta m
 
     @override
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
