@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 
 import hydra
@@ -9,17 +10,25 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from flx.config import CONFIG_DIR, one_line, precheck
+from flx.config import CONFIG_DIR, check_output_dir, one_line, precheck
 from flx.errors import ConfigError
 
+# errors of the file system under the run folder: reported as bad input (exit 2), files already written are kept
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR)
 
-def _fail(err: ConfigError) -> None:
+
+def _fail(err: BaseException, status: int = 2) -> None:
     print(f"flx: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    try:
+        check_output_dir(cfg.paths.output_dir)
+    except ConfigError as err:
+        _fail(err)
+    from flx.federation import RunFailure
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
 
     try:
@@ -28,6 +37,18 @@ def main(cfg: DictConfig) -> float | None:
         _fail(err)
     except (InstantiationException, OmegaConfBaseException) as err:  # a config value a target rejected
         _fail(ConfigError(one_line(err)))
+    except RunFailure as err:  # diverged, or a client fault with fault.policy=stop: not a result
+        _fail(err, status=3)
+    except OSError as err:
+        if err.errno not in DISK_ERRORS:
+            raise
+        where = f" {err.filename}" if err.filename else ""
+        _fail(
+            ConfigError(
+                f"cannot write{where}: {err.strerror}; files already written are kept (resume with "
+                "ckpt_path=<run folder>/checkpoints/last.ckpt once there is room)"
+            )
+        )
     return metrics.get("test/acc")
 
 

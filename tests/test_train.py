@@ -68,11 +68,11 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
     """Checkpoints are written at every round boundary; resuming from round 3's equals the 6-round run."""
-    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=6", "callbacks.model_checkpoint.save_top_k=-1"]
+    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=6", "checkpoint.keep_last=null"]
     train(compose(tmp_path / "a", *base))
-    saved = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("epoch*.ckpt"))
-    assert saved == [f"epoch{r:03d}.ckpt" for r in range(6)]
-    round3 = tmp_path / "a" / "checkpoints" / "epoch002.ckpt"
+    saved = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("round_*.ckpt"))
+    assert saved == [f"round_{r:05d}.ckpt" for r in range(1, 7)]
+    round3 = tmp_path / "a" / "checkpoints" / "round_00003.ckpt"
     assert torch.load(round3, map_location="cpu", weights_only=False)["flx"]["round"] == 3
     train(compose(tmp_path / "c", *base, f"ckpt_path={round3}"))
     a, c = _final(tmp_path / "a"), _final(tmp_path / "c")

@@ -38,7 +38,7 @@ BASE = [
     "logger=none",
     "trainer.enable_progress_bar=false",
     "trainer.accelerator=cpu",
-    "callbacks.model_checkpoint=null",
+    "checkpoint=null",
     "callbacks.progress_bar=null",
     "num_threads=1",
 ]

@@ -40,13 +40,17 @@ class WeightedMean:
 
     Args:
         like: tensors giving the shapes (and device) of what clients contribute.
+        extra: number of scalar counters (``self.extra``) summed over ranks in the same collective.
     """
 
-    def __init__(self, like: Sequence[Tensor]) -> None:
+    def __init__(self, like: Sequence[Tensor], extra: int = 0) -> None:
         numel = sum(t.numel() for t in like)
         device = like[0].device if like else torch.device("cpu")
-        self._flat = torch.zeros(numel + 1, dtype=buffer_dtype(like), device=device)  # last entry: weight sum
-        self._sums = flat_views(self._flat[:-1], like)
+        # layout: [sums | weight sum | extra counters]
+        self._flat = torch.zeros(numel + 1 + extra, dtype=buffer_dtype(like), device=device)
+        self._sums = flat_views(self._flat[:numel], like)
+        self._weight = self._flat[numel : numel + 1]
+        self.extra = self._flat[numel + 1 :]
 
     def reset(self) -> None:
         self._flat.zero_()
@@ -54,7 +58,7 @@ class WeightedMean:
     def update(self, tensors: Sequence[Tensor], weight: float) -> None:
         """Adds ``weight * tensors`` to the sums."""
         torch._foreach_add_(self._sums, [t.detach() for t in tensors], alpha=float(weight))
-        self._flat[-1] += weight
+        self._weight += weight
 
     def sync(self, reduce_sum: ReduceFn | None) -> None:
         """One collective: all-reduce (sum) the whole buffer across ranks."""
@@ -63,11 +67,11 @@ class WeightedMean:
 
     @property
     def total_weight(self) -> float:
-        return float(self._flat[-1])
+        return float(self._weight)
 
     def compute(self) -> list[Tensor]:
         """The weighted means (views into the buffer; valid until the next ``reset``)."""
-        total = self._flat[-1]
+        total = self._weight[0]
         if float(total) <= 0:
             raise RuntimeError("WeightedMean.compute() with zero total weight: no client contributed this round")
         torch._foreach_div_(self._sums, total)

@@ -64,8 +64,40 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
         validate(cfg)
     except OmegaConfBaseException as e:  # e.g. a broken interpolation in a value that validate reads
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {one_line(e)}") from None
+    _check_added_keys(user, cfg, config_dir)
     _check_partition(cfg)
     return cfg
+
+
+def _inside_target(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` lies in a node instantiated with ``_target_`` (whose class takes or rejects the key)."""
+    parts = key.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        node = OmegaConf.select(cfg, ".".join(parts[:depth]), throw_on_missing=False)
+        if OmegaConf.is_dict(node) and "_target_" in node:
+            return True
+    return parts[-1] == "_target_"
+
+
+def _check_added_keys(overrides: Sequence[str], cfg: DictConfig, config_dir: str) -> None:
+    """A key added with ``+key=value`` must be read by something: a ``_target_`` class or an interpolation.
+
+    Otherwise (``+foo=1``, ``+algo.compositional=false`` when the part takes ``algo.parts.<part>.compositional``)
+    it would be silently ignored; the error names the keys of the same name that are read.
+    """
+    text = str(OmegaConf.to_container(cfg, resolve=False))
+    for ov in overrides:
+        if not ov.startswith("+"):
+            continue
+        key, sep, value = ov.lstrip("+").partition("=")
+        if not sep or "." not in key and os.path.isdir(os.path.join(config_dir, key)) or key.startswith("hydra"):
+            continue  # a config group (+experiment=...), or Hydra's own settings
+        if _inside_target(cfg, key) or "${" + key + "}" in text:
+            continue
+        leaf = key.rsplit(".", 1)[-1]
+        same = [k for k in _flatten(OmegaConf.to_container(cfg, resolve=False)) if k.endswith(f".{leaf}") and k != key]
+        hint = f"; did you mean {' or '.join(same[:3])}?" if same else ""
+        raise ConfigError(f"+{key}={value}: nothing reads {key}, so it would be ignored{hint}")
 
 
 def _check_partition(cfg: DictConfig) -> None:
@@ -175,20 +207,110 @@ def _check_trainer(cfg: DictConfig) -> None:
         raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, f"must be >= the world size ({world})")
 
 
-def _check_ckpt(cfg: DictConfig) -> None:
-    path = cfg.get("ckpt_path")
-    if path is None:
-        return
-    if not os.path.isfile(str(path)):
-        raise bad_value("ckpt_path", path, "file not found")
-    import torch  # only here: keeps the pre-run check free of the torch import
+def fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed under ``cfg``: the model, the algorithm and its parts, the
+    server optimizer, the data and its partition, and the seed. Hyper-parameters that may change on resume (rounds,
+    learning rates, evaluation) and where files live are not part of it. Plain types only (weights-only loadable)."""
+
+    def plain(key: str) -> Any:
+        value = OmegaConf.select(cfg, key)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+    data = {k: v for k, v in (plain("data") or {}).items() if k not in ("eval_batch_size", "name")}
+    data.get("loader", {}).pop("root", None)  # the same files may move
+    parts = plain("algo.parts") or {}
+    return {
+        "model": plain("model"),
+        "algo.name": plain("algo.name"),
+        "algo.parts": {name: (p or {}).get("_target_") for name, p in parts.items() if p is not None},
+        "algo.server.name": plain("algo.server.name"),
+        "data.name": plain("data.name"),
+        "data": data,
+        "partition": plain("partition"),
+        "seed": plain("seed"),
+    }
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out |= _flatten(v, key) if isinstance(v, dict) and v else {key: v}
+    return out
+
+
+def check_ckpt(cfg: DictConfig, path: str) -> None:
+    """Raises a one-line :class:`ConfigError` unless ``path`` is a flx checkpoint written for this config.
+
+    Loaded weights-only and memory-mapped: only the small ``flx.fingerprint`` entry is read.
+    """
+    import torch  # only here: keeps the pre-run check free of the torch import when no checkpoint is given
 
     try:
-        ckpt = torch.load(str(path), map_location="cpu", weights_only=False)
+        ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise bad_value("ckpt_path", path, f"not a readable checkpoint ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "flx" not in ckpt:
         raise bad_value("ckpt_path", path, "not a flx Lightning checkpoint (no 'state_dict'/'flx' entries)")
+    saved = ckpt["flx"].get("fingerprint")
+    if not saved:
+        raise bad_value("ckpt_path", path, "written by an older flx without a config fingerprint: cannot check it")
+    mine, theirs = _flatten(fingerprint(cfg)), _flatten(saved)
+    diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diff:
+        shown = "; ".join(
+            f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in diff[:2]
+        )
+        more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
+        raise bad_value("ckpt_path", path, f"written for another run: {shown}{more}; resume with the same settings")
+
+
+def _check_ckpt(cfg: DictConfig) -> None:
+    path = cfg.get("ckpt_path")
+    if path is None or path == "auto":  # auto is resolved inside the run, where the output folder is known
+        return
+    if not os.path.isfile(str(path)):
+        raise bad_value("ckpt_path", path, "file not found")
+    check_ckpt(cfg, str(path))
+
+
+def _check_run(cfg: DictConfig) -> None:
+    """Top-level run keys: fault policy, what is tested, and Lightning settings that would contradict the rounds."""
+    policy = OmegaConf.select(cfg, "fault.policy")
+    if policy not in ("drop", "stop"):
+        raise bad_value("fault.policy", policy, "allowed: drop, stop")
+    single = cfg.algo.get("single_row_batch", "auto")
+    if single not in ("auto", "drop", "keep"):
+        raise bad_value("algo.single_row_batch", single, "allowed: auto, drop, keep")
+    if cfg.get("test_on", "final") not in ("final", "best"):
+        raise bad_value("test_on", cfg.test_on, "allowed: final, best")
+    if cfg.get("test_on") == "best" and OmegaConf.select(cfg, "checkpoint.monitor") is None:
+        raise bad_value("test_on", "best", "needs checkpoint.monitor (e.g. checkpoint.monitor=val/acc)")
+    max_epochs = cfg.trainer.get("max_epochs")
+    if max_epochs is not None and max_epochs != cfg.algo.rounds:
+        why = f"conflicts with algo.rounds={cfg.algo.rounds} (one Lightning epoch is one round): set algo.rounds"
+        raise bad_value("trainer.max_epochs", max_epochs, why)
+    for key in ("min_epochs", "max_steps", "min_steps"):
+        value = cfg.trainer.get(key)
+        if value is not None and value not in (-1, 0) and not (key == "max_steps" and value == -1):
+            raise bad_value(f"trainer.{key}", value, "rounds are set by algo.rounds; leave it unset")
+
+
+def check_output_dir(path: str) -> None:
+    """Raises a one-line :class:`ConfigError` unless files can be created in ``path`` (created if missing)."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as f:
+            f.write(b"flx")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        why = f"cannot write there ({e.strerror}); choose another folder (hydra.run.dir=... or paths.output_dir=...)"
+        raise bad_value("paths.output_dir", path, why) from None
 
 
 CLIENT_EVAL = ("holdout", "test_labels", "test_group")
@@ -209,4 +331,5 @@ def validate(cfg: DictConfig) -> None:
         raise bad_value("state_store.backend", backend, "allowed: memory, disk")
     _check_algo(cfg)
     _check_trainer(cfg)
+    _check_run(cfg)
     _check_ckpt(cfg)

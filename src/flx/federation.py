@@ -17,6 +17,7 @@ a run gives the same model on 1 process or on N.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -50,6 +51,10 @@ class FederationConfig:
         weighting: aggregation weight ``p_i``: ``num_samples`` (FedAvg, ``n_i``) or ``uniform``.
         seed: the run seed.
         server: server optimizer parameters.
+        fault_policy: a client whose loss or update is not finite is ``drop``-ped from the round (counted, warned)
+            or ``stop``-s the run (:class:`ClientFault`).
+        single_row_batch: ``drop`` a local minibatch of one row (the last of a pass; a client with one row is then
+            skipped), ``keep`` it, or ``auto``: drop when the net has BatchNorm layers, which cannot train on one row.
     """
 
     rounds: int = 30
@@ -63,6 +68,33 @@ class FederationConfig:
     weighting: str = "num_samples"
     seed: int = 0
     server: ServerOptConfig = field(default_factory=ServerOptConfig)
+    fault_policy: str = "drop"
+    single_row_batch: str = "auto"
+
+
+FAULT_POLICIES = ("drop", "stop")
+SINGLE_ROW_BATCH = ("auto", "drop", "keep")
+
+
+class RunFailure(RuntimeError):
+    """A run that cannot go on: reported as one line and a non-zero exit (``train.py``), never as a result."""
+
+
+class Diverged(RunFailure):
+    """The global model, its loss, or every update of a round is not finite."""
+
+
+class ClientFault(RunFailure):
+    """A client's loss or update is not finite and ``fault.policy=stop``."""
+
+
+@dataclass(frozen=True)
+class RoundFaults:
+    """What the round left out, identical on every rank: ``dropped`` (non-finite loss or update) and ``skipped``
+    (no usable rows) client ids."""
+
+    dropped: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +141,13 @@ def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
         torch._foreach_copy_(dst, list(src))
 
 
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one max-abs reduction per tensor, one host sync)."""
+    if not tensors:
+        return True
+    return bool(torch.stack(torch._foreach_norm(list(tensors), float("inf"))).isfinite().all())
+
+
 def derive_seed(*words: int) -> int:
     """A 63-bit seed from integer words (``numpy.random.SeedSequence``): independent streams per tuple."""
     return int(np.random.SeedSequence([int(w) for w in words]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
@@ -129,13 +168,23 @@ def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> 
     return [sorted(s) for s in shards]
 
 
-def local_batches(indices: Tensor, batch_size: int, steps: int, gen: torch.Generator) -> Iterator[Tensor]:
-    """``steps`` minibatches of the client's indices, reshuffled each time the client's data is exhausted."""
+def local_batches(
+    indices: Tensor, batch_size: int, steps: int, gen: torch.Generator, min_rows: int = 1
+) -> Iterator[Tensor]:
+    """``steps`` minibatches of the client's indices, reshuffled each time the client's data is exhausted.
+
+    A pass's last minibatch with fewer than ``min_rows`` rows is left out (``min_rows=2`` for BatchNorm nets); the
+    client must hold at least ``min_rows`` rows.
+    """
     done, n = 0, len(indices)
+    if n < min_rows:
+        raise ValueError(f"local_batches: {n} rows, fewer than min_rows={min_rows}")
     while done < steps:
         for batch in indices[torch.randperm(n, generator=gen)].split(batch_size):
             if done == steps:
                 return
+            if len(batch) < min_rows:
+                continue
             done += 1
             yield batch
 
@@ -186,7 +235,12 @@ class Federation:
         self.global_params = [p.detach().clone() for p in self.params]
         self.global_other = [b.detach().clone() for b in self.other_buffers]
         self.local_state = self.params + self.float_buffers  # what a client uploads
-        self.aggregator = WeightedMean(self.local_state)
+        # extra counters ride in the round's one all-reduce: [clients dropped, skipped, aggregated]
+        self.aggregator = WeightedMean(self.local_state, extra=3)
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+        policy = self.cfg.single_row_batch
+        self.min_rows = 2 if policy == "drop" or (policy == "auto" and has_bn) else 1
+        self.faults = RoundFaults()
         self.server_opt = ServerOptimizer(self.global_params, self.cfg.server)
         self.server_opt.load_state_dict(self.server.optimizer)
         self.local_opt = torch.optim.SGD(
@@ -232,16 +286,33 @@ class Federation:
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
         self.aggregator.reset()
         self._state_updates: dict[int, dict[str, Tensor]] = {}
+        self._left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
         # weights are added pre-divided by the round's expected total, so one client's mean is its model exactly
-        self._weight_scale = 1.0 / sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity))
+        expected = sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity))
+        self._weight_scale = 1.0 / expected if expected > 0 else 1.0  # 0: every client is empty (all skipped)
         for part in self._hooked["on_round_start"]:
             part.on_round_start(self, self.rnd)
         return self.rnd
 
     def end_round(self) -> None:
-        """One collective reduce, the parts' server hooks, the server optimizer step."""
+        """One collective reduce, the parts' server hooks, the server optimizer step.
+
+        Raises:
+            ClientFault: a client was not finite and ``fault_policy="stop"``.
+            Diverged: every client of the round was dropped, or the new global model is not finite.
+        """
         self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
         self._share_client_states()
+        self.faults = self._round_faults()
+        if self.aggregator.extra[2] > 0:
+            self._server_step()
+        else:  # no client of the round had usable rows: the global model stays as it was
+            self.load_global()
+        self.server.round = self.rnd.round + 1
+        for part in self._hooked["on_round_end"]:
+            part.on_round_end(self, self.rnd)
+
+    def _server_step(self) -> None:
         mean = self.aggregator.compute()
         for part in self._hooked["on_server_step"]:
             part.on_server_step(self, self.rnd, mean)
@@ -251,9 +322,41 @@ class Federation:
             _copy(self.params, self.global_params)
             _copy(self.float_buffers, [m.to(b.dtype) for b, m in zip(self.float_buffers, mean[n:])])
             _copy(self.other_buffers, self.global_other)
-        self.server.round = self.rnd.round + 1
-        for part in self._hooked["on_round_end"]:
-            part.on_round_end(self, self.rnd)
+        if not all_finite(self.local_state):
+            raise Diverged(
+                f"diverged in round {self.rnd.round + 1}: the global model is not finite after the server step; "
+                f"lower algo.lr (now {self.cfg.lr:g}) or algo.server.lr (now {self.cfg.server.lr:g})"
+            )
+
+    def _round_faults(self) -> RoundFaults:
+        """The round's dropped / skipped client ids on every rank (gathered only when the counters say so)."""
+        dropped, skipped, _ = (int(c) for c in self.aggregator.extra.tolist())
+        mine = self._left_out
+        if (dropped or skipped) and self.world_size > 1 and self.gather is not None:
+            everyone = self.gather(mine)
+            mine = {k: [c for part in everyone for c in part[k]] for k in mine}
+        faults = RoundFaults(tuple(sorted(mine["dropped"])), tuple(sorted(mine["skipped"])))
+        r = self.rnd.round + 1
+        if faults.dropped and self.cfg.fault_policy == "stop":
+            raise ClientFault(
+                f"round {r}: client {faults.dropped[0]} has a non-finite loss or update (fault.policy=stop); "
+                f"lower algo.lr (now {self.cfg.lr:g}) or use fault.policy=drop"
+            )
+        if faults.dropped and self.aggregator.extra[2] == 0:
+            raise Diverged(
+                f"diverged in round {r}: every client's loss or update is not finite "
+                f"({len(faults.dropped)} of {len(faults.dropped) + len(faults.skipped)} dropped); "
+                f"lower algo.lr (now {self.cfg.lr:g})"
+            )
+        if faults.dropped and self.rank == 0:
+            ids = ", ".join(str(c) for c in faults.dropped)
+            print(
+                f"flx: warning: round {r}: dropped {len(faults.dropped)} of {len(self.rnd.cohort)} clients "
+                f"({ids}): non-finite loss or update (fault.policy=drop)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return faults
 
     def _share_client_states(self) -> None:
         """Under N processes, every rank's store receives the client states updated on the other ranks.
@@ -298,12 +401,18 @@ class Federation:
         _copy(self.float_buffers, self._global_floats)
         _copy(self.other_buffers, self.global_other)
 
-    def train_client(self, cid: int) -> Tensor:
+    def train_client(self, cid: int) -> Tensor | None:
         """Local training of one client; adds its weighted model to the round's aggregate.
 
+        A client without enough rows (none, or one with BatchNorm) is skipped; one whose loss or update is not finite
+        is dropped (``fault_policy``); both are left out of the aggregate and counted in :attr:`faults`.
+
         Returns:
-            The mean local training loss (detached scalar).
+            The mean local training loss (detached scalar), or None for a client left out.
         """
+        if self.num_samples(cid) < self.min_rows:  # empty, or one row with BatchNorm: nothing to train on
+            self._leave_out(cid, "skipped")
+            return None
         client = self.make_client(cid)
         self.load_global()
         self.net.train()
@@ -312,18 +421,27 @@ class Federation:
         total = self._local_steps(client)
         for part in self._hooked["on_client_end"]:
             part.on_client_end(self, client)
+        if not (torch.isfinite(total) and all_finite(self.local_state)):
+            self._leave_out(cid, "dropped")
+            return None
         self.aggregator.update(self.local_state, client.weight * self._weight_scale)
+        self.aggregator.extra[2] += 1
         if client.state:
             self.store.put(cid, client.state)
             self._state_updates[cid] = client.state
         return total / max(client.num_steps, 1)
+
+    def _leave_out(self, cid: int, why: str) -> None:
+        """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
+        self._left_out[why].append(cid)
+        self.aggregator.extra[0 if why == "dropped" else 1] += 1
 
     def _local_steps(self, client: ClientContext) -> Tensor:
         x, y, opt = self.data.x, self.data.y, self.local_opt
         opt.state.clear()  # a fresh local optimizer per client
         total = torch.zeros((), device=self.params[0].device)
         idx = self.data.client_indices[client.cid]
-        default = local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator)
+        default = local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
         with self.step_context():
             for k in range(client.num_steps):
                 client.step = k

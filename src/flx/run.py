@@ -15,13 +15,16 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate as _hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
 from flx.callbacks.base import FederatedCallback
-from flx.config import validate
+from flx.callbacks.checkpoint import LAST, slurm_job_id
+from flx.checkpoint_io import AtomicCheckpointIO
+from flx.config import check_ckpt, fingerprint, validate
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.errors import ConfigError
+from flx.errors import ConfigError, bad_value
 from flx.federation import Federation, FederationConfig
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
@@ -59,6 +62,8 @@ def federation_config(cfg: DictConfig) -> FederationConfig:
         weighting=a.weighting,
         seed=cfg.seed,
         server=server,
+        fault_policy=cfg.fault.policy,
+        single_row_batch=a.get("single_row_batch", "auto"),
     )
 
 
@@ -68,14 +73,22 @@ def _instantiate_group(group: DictConfig | None) -> list[Any]:
 
 
 def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
-    """The Lightning Trainer with the federated loops installed; ``strategy=ddp`` maps to flx's DDP."""
+    """The Lightning Trainer with the federated loops installed; ``strategy=ddp`` maps to flx's DDP.
+
+    Checkpoints are flx's round-boundary :class:`RoundCheckpoint` (``checkpoint.*``; ``checkpoint=null`` or
+    ``trainer.enable_checkpointing=false`` switch them off), written atomically by :class:`AtomicCheckpointIO`.
+    """
     callbacks = parts + _instantiate_group(cfg.get("callbacks"))
+    if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
+        callbacks.append(instantiate(cfg.checkpoint))
     if cfg.trainer.get("enable_progress_bar") is False:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
+    if slurm_job_id() is not None:  # flx requeues itself at a round boundary (RoundCheckpoint), not mid-round
+        kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))
     trainer_cfg = {k: v for k, v in cfg.trainer.items() if k != "process_group_backend"}
     trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
     return loop.install(trainer)
@@ -97,7 +110,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
-    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients)
+    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg))
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:
         if isinstance(part, FederatedCallback):
@@ -106,23 +119,60 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
 
 
 def save_config(cfg: DictConfig) -> None:
-    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up."""
+    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up.
+
+    A run resumed into the folder of an earlier one keeps the earlier files: its own go to ``config.<k>.yaml`` /
+    ``overrides.<k>.yaml`` with the first free ``k``.
+    """
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized() or os.environ.get("LOCAL_RANK", "0") != "0":
         return
     folder = os.path.join(HydraConfig.get().runtime.output_dir, ".hydra")
     os.makedirs(folder, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
-    OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, "overrides.yaml"))
+    k, suffix = 0, ""
+    while os.path.exists(os.path.join(folder, f"config{suffix}.yaml")):
+        k, suffix = k + 1, f".{k + 1}"
+    OmegaConf.save(cfg, os.path.join(folder, f"config{suffix}.yaml"))
+    OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, f"overrides{suffix}.yaml"))
+
+
+def resume_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path``, with ``auto`` resolved: the run folder's ``checkpoints/last.ckpt`` if there is one (a requeued
+    or restarted job), else None (a fresh start). The checkpoint must match the config (:func:`check_ckpt`)."""
+    path = cfg.get("ckpt_path")
+    if path != "auto":
+        return path
+    if cfg.get("checkpoint") is None:
+        raise bad_value("ckpt_path", path, "needs checkpoint.dirpath (checkpoint is null)")
+    last = os.path.join(str(cfg.checkpoint.dirpath), LAST)
+    if not os.path.isfile(last):
+        return None
+    check_ckpt(cfg, last)
+    return last
+
+
+def _tested_checkpoint(cfg: DictConfig, trainer: pl.Trainer) -> str | None:
+    if cfg.get("test_on", "final") == "final":
+        return None
+    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    if not best:
+        raise bad_value("test_on", cfg.test_on, "no best checkpoint was written (set checkpoint.monitor, e.g. val/acc)")
+    return best
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints ``final test_acc=<value>``."""
+    ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
     save_config(cfg)
-    trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
-    results = trainer.test(module, datamodule=dm, verbose=False)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    if getattr(trainer.checkpoint_callback, "requeued", False):
+        print(
+            f"flx: requeued after round {trainer.current_epoch}; the job resumes from checkpoints/last.ckpt", flush=True
+        )
+        return {}
+    results = trainer.test(module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer))
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     if trainer.is_global_zero and "test/acc" in metrics:
         print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)

@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from flx.callbacks.base import FederatedCallback
-from flx.federation import Federation
+from flx.federation import Diverged, Federation
 from flx.loop import IDLE
 from flx.metrics.auc import AUROCs
 from flx.metrics.client_summary import PerClientAccuracy, summarize
@@ -43,11 +43,20 @@ class FederatedModule(pl.LightningModule):
         federation: the round protocol.
         num_classes: number of classes ``C``.
         num_clients: number of clients (for per-client metrics).
+        fingerprint: what a checkpoint of this run must agree with to be resumed (:func:`flx.config.fingerprint`);
+            saved in every checkpoint.
     """
 
-    def __init__(self, net: nn.Module, federation: Federation, num_classes: int, num_clients: int) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        federation: Federation,
+        num_classes: int,
+        num_clients: int,
+        fingerprint: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
-        self.net, self.federation = net, federation
+        self.net, self.federation, self.fingerprint = net, federation, dict(fingerprint or {})
         self.automatic_optimization = False
         self.acc = nn.ModuleDict({s: MulticlassAccuracy(num_classes, average="micro") for s in ("val", "test")})
         self.loss_mean = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
@@ -91,7 +100,8 @@ class FederatedModule(pl.LightningModule):
         if int(client_id) == IDLE:
             return None
         loss = self.federation.train_client(int(client_id))
-        self._round_loss = (self._round_loss[0] + loss, self._round_loss[1] + 1)
+        if loss is not None:
+            self._round_loss = (self._round_loss[0] + loss, self._round_loss[1] + 1)
         return loss
 
     def on_train_epoch_start(self) -> None:
@@ -111,7 +121,9 @@ class FederatedModule(pl.LightningModule):
             return
         rnd = self.federation.rnd
         samples = sum(self.federation.num_samples(c) for c in rnd.cohort)
+        faults = self.federation.faults
         counts = {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)}
+        counts |= {"fl/dropped_clients": float(len(faults.dropped)), "fl/skipped_clients": float(len(faults.skipped))}
         if self.federation.cfg.local_epochs is None:  # local iterations so far, per client (AFL: one per round)
             counts["fl/local_steps"] = float((rnd.round + 1) * self.federation.cfg.local_steps)
         self.log_dict(counts, sync_dist=True)  # identical on every rank; syncing only silences Lightning's advice
@@ -137,6 +149,12 @@ class FederatedModule(pl.LightningModule):
         self._eval_step("test", batch, dataloader_idx)
 
     def _eval_epoch_end(self, split: str) -> None:
+        if split == "val" and not torch.isfinite(self.loss_mean[split].compute()):
+            rnd = self.federation.server.round
+            raise Diverged(
+                f"diverged in round {rnd}: the global model's validation loss is not finite; "
+                f"lower algo.lr (now {self.federation.cfg.lr:g})"
+            )
         self.log(f"{split}/acc", self.acc[split], add_dataloader_idx=False)
         self.log(f"{split}/loss", self.loss_mean[split], add_dataloader_idx=False)
         if self.auc is not None:
@@ -171,7 +189,7 @@ class FederatedModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["flx"] = self.federation.state_dict()
+        checkpoint["flx"] = {**self.federation.state_dict(), "fingerprint": self.fingerprint}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "flx" in checkpoint:

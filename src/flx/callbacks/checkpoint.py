@@ -1,0 +1,201 @@
+"""Round-boundary checkpoints: crash-safe by default, a best-validation copy on request, SLURM requeue.
+
+At the end of a round (after the server step, validation and every part's epoch-end hook) the whole run state is
+written: the global model, Lightning's loop progress, every part's ``state_dict``, the server optimizer and the
+per-client state store (``checkpoint["flx"]``). A checkpoint is due every ``every_rounds`` rounds, when
+``every_seconds`` have passed since the last one, at the last round, and when a requeue was requested. Files are
+``round_NNNNN.ckpt`` (the state after NNNNN rounds), written atomically (:mod:`flx.checkpoint_io`); ``last.ckpt`` is
+a hard link to the newest, so a run killed at any instant resumes from ``checkpoints/last.ckpt``. Only the newest
+``keep_last`` round files are kept.
+
+With ``monitor`` set (e.g. ``val/acc``), ``best.ckpt`` holds the round whose validation value of that metric is the
+best so far (``mode`` max or min), judged on rounds where validation ran.
+
+SLURM: on ``requeue_signal`` (``sbatch --signal=B:USR1@120``) the run finishes the current round, writes its
+checkpoint, asks SLURM to requeue the job (``scontrol requeue``) and stops; the requeued job resumes with
+``ckpt_path=auto`` (``scripts/slurm/train.sbatch``). Lightning's own handler is not used because it writes a
+checkpoint in the middle of a round, whose partial aggregate cannot be resumed exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+from typing_extensions import override
+
+from flx.checkpoint_io import atomic_link
+from flx.errors import ConfigError, bad_value
+
+log = logging.getLogger(__name__)
+LAST, BEST = "last.ckpt", "best.ckpt"
+
+
+def round_file(rounds: int) -> str:
+    """The file name of the checkpoint holding the state after ``rounds`` rounds."""
+    return f"round_{rounds:05d}.ckpt"
+
+
+def slurm_job_id() -> str | None:
+    """The job id ``scontrol requeue`` takes (``<array job>_<task>`` for array jobs), or None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+class RoundCheckpoint(Checkpoint):
+    """Writes round-boundary checkpoints (see the module docstring).
+
+    Args:
+        dirpath: folder of the checkpoint files.
+        every_rounds: a checkpoint every that many rounds (None: only by time).
+        every_seconds: also a checkpoint at the first round end this many seconds after the last one (None: off).
+        keep_last: how many ``round_*.ckpt`` files to keep (None: all).
+        monitor: metric that selects ``best.ckpt`` (None: no best copy).
+        mode: ``max`` or ``min``: which values of ``monitor`` are better.
+        requeue: ``auto`` (when running in a SLURM job), ``true`` or ``false``.
+        requeue_signal: the signal that asks for a requeue.
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_rounds: int | None = 1,
+        every_seconds: float | None = None,
+        keep_last: int | None = 2,
+        monitor: str | None = None,
+        mode: str = "max",
+        requeue: str | bool = "auto",
+        requeue_signal: str = "SIGUSR1",
+    ) -> None:
+        for key, value in (("every_rounds", every_rounds), ("keep_last", keep_last)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise bad_value(f"checkpoint.{key}", value, "must be an integer >= 1 or null")
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float)) and every_seconds > 0):
+            raise bad_value("checkpoint.every_seconds", every_seconds, "must be a number > 0 or null")
+        if mode not in ("max", "min"):
+            raise bad_value("checkpoint.mode", mode, "allowed: max, min")
+        if str(requeue).lower() not in ("auto", "true", "false"):
+            raise bad_value("checkpoint.requeue", requeue, "allowed: auto, true, false")
+        if not hasattr(signal, str(requeue_signal)):
+            raise bad_value("checkpoint.requeue_signal", requeue_signal, "must name a signal, e.g. SIGUSR1")
+        self.dirpath, self.every_rounds, self.every_seconds = str(dirpath), every_rounds, every_seconds
+        self.keep_last, self.monitor, self.mode = keep_last, monitor, mode
+        self.requeue = slurm_job_id() is not None if str(requeue).lower() == "auto" else str(requeue).lower() == "true"
+        self.requeue_signal = getattr(signal, str(requeue_signal))
+        self.best_score: float | None = None
+        self.best_model_path = self.last_model_path = ""
+        self.saved: list[str] = []
+        self.requeued = False
+        self._signalled = False
+        self._validated_epoch = -1
+        self._last_time = time.monotonic()
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.requeue:
+            signal.signal(self.requeue_signal, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        log.warning("flx: received %s: the run stops after this round's checkpoint and is requeued", signum)
+        self._signalled = True
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated_epoch = trainer.current_epoch
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fast_dev_run or trainer.sanity_checking:
+            return
+        rounds = trainer.current_epoch + 1
+        requeue = self.requeue and self._agree(trainer, self._signalled)
+        due = (self.every_rounds is not None and rounds % self.every_rounds == 0) or rounds == trainer.max_epochs
+        best = self.monitor is not None and self._validated_epoch == trainer.current_epoch and self._improved(trainer)
+        if due or requeue or self._time_due(trainer):
+            self._save_round(trainer, rounds)
+            if best and trainer.is_global_zero:
+                atomic_link(self.last_model_path, self.best_model_path)
+        elif best:
+            trainer.save_checkpoint(self.best_model_path)
+        if requeue:
+            self._requeue(trainer)
+
+    # ------------------------------------------------------------------ saving
+    def _agree(self, trainer: pl.Trainer, flag: bool) -> bool:
+        """Rank 0's decision on every rank (a save is collective: all ranks must take the same branch)."""
+        return bool(trainer.strategy.broadcast(flag, src=0)) if trainer.world_size > 1 else flag
+
+    def _time_due(self, trainer: pl.Trainer) -> bool:
+        if self.every_seconds is None:
+            return False
+        return self._agree(trainer, time.monotonic() - self._last_time >= self.every_seconds)
+
+    def _save_round(self, trainer: pl.Trainer, rounds: int) -> None:
+        path = os.path.join(self.dirpath, round_file(rounds))
+        self.last_model_path = path
+        if path not in self.saved:
+            self.saved.append(path)
+        trainer.save_checkpoint(path)  # every rank takes part; rank 0 writes (atomically, flx.checkpoint_io)
+        self._last_time = time.monotonic()
+        if trainer.is_global_zero:
+            atomic_link(path, os.path.join(self.dirpath, LAST))
+            self._prune()
+
+    def _prune(self) -> None:
+        """Removes round files beyond ``keep_last``; only this run's own files in ``dirpath``, never others."""
+        if self.keep_last is None:
+            return
+        mine = [p for p in self.saved if os.path.dirname(p) == self.dirpath]
+        for old in mine[: max(0, len(mine) - self.keep_last)]:
+            if os.path.exists(old):
+                os.remove(old)
+            self.saved.remove(old)
+
+    def _improved(self, trainer: pl.Trainer) -> bool:
+        """Whether this round's ``monitor`` value is the best so far; if so it is recorded (before the save, so the
+        checkpoint written now carries it)."""
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            logged = ", ".join(sorted(k for k in trainer.callback_metrics if k.startswith(("val/", "train/"))))
+            raise ConfigError(f"checkpoint.monitor={self.monitor!r}: not logged by this run; logged: {logged}")
+        value = float(value)
+        if math.isnan(value) or not (
+            self.best_score is None or (value > self.best_score if self.mode == "max" else value < self.best_score)
+        ):
+            return False
+        self.best_score, self.best_model_path = value, os.path.join(self.dirpath, BEST)
+        return True
+
+    def _requeue(self, trainer: pl.Trainer) -> None:
+        self.requeued, trainer.should_stop = True, True
+        job = slurm_job_id()
+        if trainer.is_global_zero and job is not None:
+            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                log.warning("flx: scontrol requeue %s failed: %s", job, result.stderr.strip())
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best_score": self.best_score,
+            "best_model_path": self.best_model_path,
+            "last_model_path": self.last_model_path,
+            "saved": list(self.saved),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best_score = state_dict.get("best_score")
+        self.best_model_path = state_dict.get("best_model_path", "")
+        self.last_model_path = state_dict.get("last_model_path", "")
+        self.saved = list(state_dict.get("saved", []))

@@ -1,0 +1,41 @@
+"""Loggers that never delete what an earlier run wrote.
+
+Lightning's ``CSVLogger`` removes an existing ``metrics.csv`` when its folder is reused, so a run resumed into
+its own output folder (``ckpt_path=auto`` after a crash or a SLURM requeue) would lose the rounds logged before
+the crash. :class:`CSVLogger` appends instead: the earlier rows are kept, and new columns widen the file.
+A round that was logged, then replayed after resuming from an earlier checkpoint, appears twice, with the same
+values (a resumed run recomputes it exactly).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from typing_extensions import override
+
+
+class AppendingExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer without the deletion of an existing ``metrics.csv``; its header is adopted."""
+
+    @override
+    def _check_log_dir_exists(self) -> None:
+        if os.path.isfile(self.metrics_file_path):
+            with open(self.metrics_file_path, newline="") as f:
+                self.metrics_keys = list(next(csv.reader(f), []))
+
+
+class CSVLogger(_LightningCSVLogger):
+    """``lightning.pytorch.loggers.CSVLogger`` that appends to an existing ``metrics.csv`` (see the module doc)."""
+
+    @property
+    @override
+    @rank_zero_experiment
+    def experiment(self) -> AppendingExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
+        return self._experiment

@@ -1,0 +1,174 @@
+"""Faulty clients and clients with tiny or odd data: the documented policy of each case (no Lightning, fast).
+
+Policies (``FederationConfig.fault_policy``, ``single_row_batch``; docs/round_protocol.md):
+
+* a client whose loss or update is not finite is dropped from the round (``drop``): the aggregate is the weighted
+  mean of the other clients, its state is not stored, and it is counted in ``fed.faults.dropped``; ``stop`` raises
+  :class:`ClientFault` naming the round and the client;
+* every client of a round dropped, or a non-finite global model after the server step: :class:`Diverged`;
+* a client without rows is skipped (counted in ``fed.faults.skipped``); a round where every client is skipped keeps
+  the global model;
+* with BatchNorm (``single_row_batch=auto``) a pass's last minibatch of one row is left out, and a client with one
+  row is skipped; without BatchNorm nothing changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import linear, make_fed, params, run_rounds, toy_data
+from torch import nn
+
+from flx.callbacks.base import FederatedCallback
+from flx.datamodules.datamodule import ClientStore
+from flx.federation import ClientFault, Diverged, RoundFaults, derive_seed, local_batches
+
+
+class PoisonClient(FederatedCallback):
+    """Test part: makes client ``cid``'s local model NaN (or its loss, with ``where="loss"``) in every round."""
+
+    def __init__(self, cid: int, where: str = "update") -> None:
+        self.cid, self.where = cid, where
+
+    def local_loss(self, fed, client, loss):
+        return loss * float("nan") if self.where == "loss" and client.cid == self.cid else loss
+
+    def on_client_end(self, fed, client) -> None:
+        if self.where == "update" and client.cid == self.cid:
+            with torch.no_grad():
+                fed.params[0][0, 0] = float("nan")
+        client.state["seen"] = torch.ones(())
+
+
+def _fedavg_without(sizes: list[int], left_out: int, **cfg) -> list[torch.Tensor]:
+    """The reference: the same round where client ``left_out`` holds no rows (so it adds nothing)."""
+    data = toy_data(sizes)
+    kept = [idx if c != left_out else idx[:0] for c, idx in enumerate(data.client_indices)]
+    fed = make_fed(linear(), ClientStore(data.x, data.y, kept), **cfg)
+    run_rounds(fed, 1)
+    return params(fed.net)
+
+
+@pytest.mark.parametrize("where", ["update", "loss"])
+def test_a_nan_client_is_dropped_and_the_rest_is_averaged(where: str) -> None:
+    """drop: w' = sum_{i != bad} n_i w_i / sum_{i != bad} n_i, i.e. the round without the bad client, bitwise;
+    the bad client's state is not stored and the drop is counted."""
+    cfg = dict(clients_per_round=3, local_steps=3, batch_size=4, lr=0.1)
+    fed = make_fed(linear(), toy_data([6, 8, 7]), parts=[PoisonClient(1, where)], **cfg)
+    run_rounds(fed, 1)
+    assert fed.faults == RoundFaults(dropped=(1,), skipped=())
+    expected = _fedavg_without([6, 8, 7], 1, **cfg)
+    for a, b in zip(params(fed.net), expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the weight scale differs: 1/21 vs 1/13
+    assert sorted(fed.store.client_ids()) == [0, 2]
+
+
+def test_stop_policy_names_round_and_client() -> None:
+    fed = make_fed(linear(), toy_data([6, 8, 7]), parts=[PoisonClient(2)], clients_per_round=3, fault_policy="stop")
+    with pytest.raises(ClientFault, match=r"round 1: client 2 .*fault.policy=stop"):
+        run_rounds(fed, 1)
+
+
+def test_every_client_dropped_is_divergence_and_the_model_is_kept() -> None:
+    """A cohort where every update is NaN stops the run; the global model of the last finite round is unchanged."""
+    fed = make_fed(linear(), toy_data([6]), parts=[PoisonClient(0)], clients_per_round=1)
+    before = params(fed.net)
+    with pytest.raises(Diverged, match=r"diverged in round 1: every client.*lower algo.lr"):
+        run_rounds(fed, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, fed.global_params))
+
+
+def test_huge_learning_rate_diverges() -> None:
+    """lr = 1e8: within a few rounds every client's update overflows; the run stops as diverged, never ends with a
+    NaN model."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    fed = make_fed(mlp, toy_data([20, 20]), clients_per_round=2, local_steps=10, lr=1e8, batch_size=4)
+    with pytest.raises(Diverged, match="lower algo.lr"):
+        run_rounds(fed, 20)
+
+
+def test_server_step_to_infinity_diverges() -> None:
+    """A finite mean but a server step that overflows (FedAvgM, huge server lr): the global model check stops it."""
+    from flx.server import ServerOptConfig
+
+    server = ServerOptConfig(lr=3e38)  # eta_s * Delta overflows float32 (max 3.4e38) once |Delta| > 1.2
+    fed = make_fed(linear(), toy_data([20, 20]), clients_per_round=2, lr=5.0, server=server)
+    with pytest.raises(Diverged, match=r"global model is not finite.*algo.server.lr"):
+        run_rounds(fed, 5)
+
+
+class Cohort(FederatedCallback):
+    """Test part: a fixed cohort."""
+
+    def __init__(self, cohort: list[int]) -> None:
+        self.cohort = cohort
+
+    def sample_clients(self, fed, round_idx, rng):
+        return self.cohort
+
+
+def test_empty_clients_are_skipped_and_counted() -> None:
+    """An empty client adds nothing: the round equals the round of the other clients alone, bitwise (its weight
+    n_i = 0 changes neither the weights nor the weight scale); a round of only empty clients keeps the model."""
+    data = toy_data([5, 3, 4])
+    rows = [data.client_indices[0], data.client_indices[1][:0], data.client_indices[2]]
+    cfg = dict(clients_per_round=3, local_steps=2, batch_size=2, lr=0.1)
+    fed = make_fed(linear(), ClientStore(data.x, data.y, rows), **cfg)
+    run_rounds(fed, 1)
+    assert fed.faults == RoundFaults(dropped=(), skipped=(1,))
+    ref = make_fed(linear(), data, parts=[Cohort([0, 2])], **cfg)
+    run_rounds(ref, 1)
+    assert all(torch.equal(a, b) for a, b in zip(params(fed.net), params(ref.net)))
+    empty = make_fed(linear(), ClientStore(data.x, data.y, [rows[1]]), clients_per_round=1)
+    before = params(empty.net)
+    run_rounds(empty, 2)
+    assert empty.faults.skipped == (0,) and all(torch.equal(a, b) for a, b in zip(before, params(empty.net)))
+
+
+def test_single_row_batches_are_dropped_only_with_batchnorm() -> None:
+    """local_batches with min_rows=2: a pass of 5 rows in batches of 2 gives (2, 2) and the next pass, never a
+    batch of 1; min_rows=1 keeps the (2, 2, 1) of before."""
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    idx = torch.arange(5)
+    assert [len(b) for b in local_batches(idx, 2, 5, g1, min_rows=2)] == [2, 2, 2, 2, 2]
+    assert [len(b) for b in local_batches(idx, 2, 5, g2, min_rows=1)] == [2, 2, 1, 2, 2]
+    with pytest.raises(ValueError, match="min_rows"):
+        next(local_batches(idx[:1], 2, 1, g1, min_rows=2))
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 3))
+
+
+def test_batchnorm_with_a_one_row_client_and_odd_sizes() -> None:
+    """BatchNorm net: a client of one row is skipped; 5 rows in batches of 2 never hit BatchNorm with one row
+    (which raises in train mode); fewer rows than the batch size train on all the rows. No traceback."""
+    data = toy_data([1, 5, 3])
+    fed = make_fed(_bn_net(), data, clients_per_round=3, local_steps=4, batch_size=2)
+    run_rounds(fed, 2)
+    assert fed.faults.skipped == (0,) and fed.faults.dropped == ()
+    big = make_fed(_bn_net(), toy_data([3]), clients_per_round=1, local_steps=2, batch_size=32)
+    run_rounds(big, 1)  # one batch of all 3 rows per step
+    keep = make_fed(_bn_net(), toy_data([5]), clients_per_round=1, local_steps=3, batch_size=2, single_row_batch="keep")
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        run_rounds(keep, 1)
+
+
+def test_a_linear_net_keeps_single_row_batches() -> None:
+    """Without BatchNorm (auto) the batches are those of before, so every earlier result holds bitwise."""
+    data = toy_data([5])
+    fed = make_fed(linear(), data, clients_per_round=1, local_steps=3, batch_size=2, lr=0.1)
+    assert fed.min_rows == 1
+    run_rounds(fed, 1)
+    ref = linear()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(derive_seed(0, 0, 0))
+    for b in torch.randperm(5, generator=g).split(2):  # batches of 2, 2 and 1 rows
+        opt.zero_grad()
+        F.cross_entropy(ref(data.x[b]), data.y[b]).backward()
+        opt.step()
+    for a, b in zip(fed.net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
