@@ -91,3 +91,34 @@ def raises_one_line(func: Callable[..., object], *args: object, match: str, **kw
     message = str(info.value)
     assert "\n" not in message and match in message, message
     return message
+
+
+class KillMidRound(FederatedCallback):
+    """Test callback for real crashes: SIGKILLs its own process after the ``client``-th client of round ``round``
+    (0-based), i.e. in the middle of that round, as a node failure or the OOM killer would."""
+
+    def __init__(self, round: int, client: int = 2, signal: str = "SIGKILL") -> None:
+        self.round, self.client, self.signal, self._seen = round, client, signal, 0
+
+    def on_client_end(self, fed: Federation, client: object) -> None:
+        import os
+        import signal
+
+        if fed.rnd.round == self.round:
+            self._seen += 1
+            if self._seen == self.client:
+                os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class PoisonFrom(FederatedCallback):
+    """Test part: client updates turn NaN: the lowest client id of round ``one`` (0-based), every client from round
+    ``every`` on."""
+
+    def __init__(self, one: int, every: int) -> None:
+        self.one, self.every = one, every
+
+    def on_client_end(self, fed: Federation, client: object) -> None:
+        rnd = fed.rnd
+        if rnd.round >= self.every or (rnd.round == self.one and client.cid == min(rnd.cohort)):
+            with torch.no_grad():
+                fed.params[0].view(-1)[0] = float("nan")

@@ -59,6 +59,20 @@ def _foreign_ckpt(tmp: Path) -> None:
     torch.save({"a": 1}, tmp / "foreign.ckpt")
 
 
+def _ckpt_of(*overrides: str) -> Callable[[Path], None]:
+    """Writes ``{tmp}/other.ckpt``: a flx checkpoint (as far as the pre-run check reads) of a run with ``overrides``."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        from flx.config import fingerprint, precheck
+
+        flx = {"round": 3, "server_opt": {}, "store": {"clients": {}}, "fingerprint": fingerprint(precheck(overrides))}
+        torch.save({"state_dict": {}, "flx": flx}, tmp / "other.ckpt")
+
+    return setup
+
+
 class Case(NamedTuple):
     """A bad command line: ``args`` and ``expect`` may use ``{tmp}`` (a scratch dir) and ``{data}`` (paths.data_dir)."""
 
@@ -134,6 +148,45 @@ CASES = [
     Case("ckpt-missing", ("ckpt_path={tmp}/missing.ckpt",), ("ckpt_path=", "{tmp}/missing.ckpt", "not found")),
     Case("ckpt-corrupt", ("ckpt_path={tmp}/corrupt.ckpt",), ("ckpt_path=", "{tmp}/corrupt.ckpt"), _corrupt_ckpt),
     Case("ckpt-not-flx", ("ckpt_path={tmp}/foreign.ckpt",), ("ckpt_path=", "{tmp}/foreign.ckpt", "flx"), _foreign_ckpt),
+    Case(
+        "ckpt-of-another-model",
+        ("ckpt_path={tmp}/other.ckpt",),
+        ("ckpt_path=", "model._target_", "flx.models.nets.CNN", "flx.models.nets.MLP"),
+        _ckpt_of("model=cnn"),
+    ),
+    Case(
+        "ckpt-fedadam-as-fedavg",
+        ("ckpt_path={tmp}/other.ckpt",),
+        ("ckpt_path=", "algo.name is 'fedadam' in the checkpoint, 'fedavg' in the config"),
+        _ckpt_of("algo=fedadam"),
+    ),
+    Case(
+        "ckpt-drfa-as-fedavg",
+        ("ckpt_path={tmp}/other.ckpt",),
+        ("ckpt_path=", "algo.name is 'drfa' in the checkpoint"),
+        _ckpt_of("algo=drfa"),
+    ),
+    Case(
+        "ckpt-other-partition",
+        ("ckpt_path={tmp}/other.ckpt", "partition=iid"),
+        ("ckpt_path=", "partition._target_"),
+        _ckpt_of(),
+    ),
+    # --- keys that would be ignored or contradict the rounds ---
+    Case("added-key-nothing-reads", ("+foo=1",), ("+foo=1", "nothing reads foo")),
+    Case(
+        "added-algo-key-a-part-takes",
+        ("algo=fedxl2", "data=digits_binary", "+algo.compositional=false"),
+        ("+algo.compositional=false", "algo.parts.passive_buffer.compositional"),
+    ),
+    Case("max-epochs-conflict", ("trainer.max_epochs=2", "algo.rounds=3"), ("trainer.max_epochs=2", "algo.rounds=3")),
+    Case("max-steps-set", ("+trainer.max_steps=10",), ("trainer.max_steps=10", "algo.rounds")),
+    Case("fault-policy-unknown", ("fault.policy=ignore",), ("fault.policy=", "ignore", "drop, stop")),
+    Case("single-row-batch-unknown", ("algo.single_row_batch=maybe",), ("algo.single_row_batch=", "maybe", "auto")),
+    Case("test-on-best-without-monitor", ("test_on=best",), ("test_on=", "best", "checkpoint.monitor")),
+    Case(
+        "checkpoint-every-rounds-zero", ("checkpoint.every_rounds=0",), ("checkpoint.every_rounds=0", ">= 1"), slow=True
+    ),
     # --- data (checked by the loaders inside the run) ---
     Case(
         "cifar10-missing",
@@ -267,6 +320,9 @@ PREVIOUS_RUN = {  # what an earlier run (and its user) left in the output dir
     [
         pytest.param(("algo=nope",), ("algo=",), id="pre-run-check"),
         pytest.param(("data=mnist",), ("data=mnist",), id="in-run-check", marks=pytest.mark.slow),
+        pytest.param(
+            ("ckpt_path={run}/checkpoints/last.ckpt",), ("not a readable checkpoint",), id="resume-not-a-ckpt"
+        ),
     ],
 )
 def test_bad_command_keeps_existing_output(args: tuple[str, ...], expect: tuple[str, ...], tmp_path: Path) -> None:
@@ -278,7 +334,7 @@ def test_bad_command_keeps_existing_output(args: tuple[str, ...], expect: tuple[
     log = run_dir / "train.log"
     log.write_bytes(b"[earlier run] final test_acc=0.5\n")
 
-    rc, out, err = run_train(*args, run_dir=run_dir, data_dir=data)
+    rc, out, err = run_train(*(a.replace("{run}", str(run_dir)) for a in args), run_dir=run_dir, data_dir=data)
     assert_one_line_error(rc, out, err, list(expect))
 
     changed = [name for name, content in PREVIOUS_RUN.items() if (run_dir / name).read_bytes() != content]

@@ -165,36 +165,32 @@ def _write_tiny_cifar10(root: Path, per_batch: int = 12) -> None:
 
 
 def test_issue_cifar10_command_with_tiny_files(tmp_path: Path) -> None:
-    """`algo=fedprox algo.mu=0.01 data=cifar10 model=resnet18 partition=dirichlet partition.alpha=0.1` runs."""
-    _write_tiny_cifar10(tmp_path / "data")
+    """`algo=fedprox data=cifar10 model=resnet18 partition=dirichlet partition.alpha=0.1` on 200 CIFAR-10 training
+    rows over 10 clients: Dirichlet(0.1) leaves clients with one or a few rows, whose minibatches of one row used to
+    crash ResNet-18's BatchNorm. They are left out (a pass's last single row; a one-row client is skipped)."""
+    _write_tiny_cifar10(tmp_path / "data", per_batch=40)
     args = [
         "algo=fedprox",
-        "algo.mu=0.01",
         "data=cifar10",
         "model=resnet18",
         "partition=dirichlet",
         "partition.alpha=0.1",
         f"paths.data_dir={tmp_path / 'data'}",
-        "partition.num_clients=4",
-        "algo.clients_per_round=2",
+        "partition.num_clients=10",
+        "algo.clients_per_round=10",
         "algo.rounds=1",
-        "algo.local_steps=1",
-        "algo.batch_size=8",
+        "algo.local_steps=2",
         *QUIET,
     ]
     proc = _cli(tmp_path / "run", *args)
     assert "final test_acc=" in proc.stdout
+    rows = list(csv.DictReader(open(tmp_path / "run" / "csv" / "metrics.csv")))
+    assert [r["fl/dropped_clients"] for r in rows if r.get("fl/dropped_clients")] == ["0.0"]
 
 
 def test_fast_dev_run_preset(tmp_path: Path) -> None:
     metrics = train(compose(tmp_path, "debug=fdr", *QUIET))
     assert 0.0 <= metrics["test/acc"] <= 1.0
-
-
-def test_default_run_reaches_090(tmp_path: Path) -> None:
-    """`make train`'s configuration (FedAvg, digits, MLP, 20 clients, Dirichlet(0.5), 10 per round)."""
-    metrics = train(compose(tmp_path, *QUIET, "logger=none"))
-    assert metrics["test/acc"] >= 0.90
 
 
 def test_validation_runs_every_eval_every_rounds(tmp_path: Path) -> None:

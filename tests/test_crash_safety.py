@@ -1,0 +1,194 @@
+"""Crash-safe runs through the real entry point, with the default settings (`make train`'s configuration).
+
+* a run SIGKILLed in the middle of a round resumes from what is on disk (``ckpt_path=auto``) and ends with the
+  same model, bitwise, as the uninterrupted run; earlier metrics and configs are kept;
+* a SLURM requeue signal finishes the round, checkpoints, requeues (``scontrol``, a stub here) and resumes the same;
+* a client with a NaN update is dropped with a warning; a round of NaN updates, or ``algo.lr=1e8``, stops the run
+  with one line and exit status 3, keeping the last finite checkpoint;
+* a full disk and a read-only output folder give one line and exit status 2, keeping what was written.
+
+All runs are subprocesses (marked slow). The uninterrupted default run is shared by the tests of this module.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false"]
+KILL = ["+callbacks.kill._target_=helpers.KillMidRound", "+callbacks.kill.round=4"]
+
+
+def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py", *QUIET, *args, f"hydra.run.dir={out}"]
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests"), **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=full_env)
+
+
+def ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_model(a: dict, b: dict) -> None:
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+
+
+def metric_rows(out: Path) -> list[dict[str, str]]:
+    """The rows of ``csv/metrics.csv`` without their empty cells."""
+    with open(out / "csv" / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
+def flx_lines(stderr: str) -> list[str]:
+    """flx's own stderr lines (Lightning's banner, e.g. 'GPU available: False', may precede them)."""
+    return [line for line in stderr.splitlines() if line.startswith("flx: ")]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("default")
+    proc = run(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_default_run_reaches_090_and_keeps_the_last_two_round_checkpoints(default_run) -> None:
+    """`make train`'s configuration (FedAvg, digits, MLP, 20 clients, Dirichlet(0.5), 10 per round, 30 rounds)."""
+    out, proc = default_run
+    assert float(proc.stdout.split("final test_acc=")[1].split()[0]) >= 0.90
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "round_00029.ckpt", "round_00030.ckpt"]
+    assert os.path.samefile(out / "checkpoints" / "last.ckpt", out / "checkpoints" / "round_00030.ckpt")
+    assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 30
+
+
+def test_sigkill_mid_round_then_resume_equals_uninterrupted(default_run, tmp_path: Path) -> None:
+    """Killed (SIGKILL) after the 2nd client of round 5: round 4's checkpoint is on disk; resuming in the same folder
+    with ckpt_path=auto ends bitwise equal to the uninterrupted run; metrics and configs of the first try are kept."""
+    out = tmp_path / "run"
+    killed = run(out, *KILL)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 4
+    assert not list((out / "checkpoints").glob(".*tmp*")), "a temporary checkpoint file was left behind"
+    rows_before = metric_rows(out)
+    config_before = (out / ".hydra" / "config.yaml").read_bytes()
+    assert len(rows_before) >= 4
+
+    resumed = run(out, "ckpt_path=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+    assert resumed.stdout.split("final test_acc=")[1] == default_run[1].stdout.split("final test_acc=")[1]
+    rows_after = metric_rows(out)
+    assert rows_after[: len(rows_before)] == rows_before  # kept, in order (the header may have widened)
+    rounds = {int(float(r["fl/round"])) for r in csv.DictReader(open(out / "csv" / "metrics.csv")) if r["fl/round"]}
+    assert rounds == set(range(1, 31))
+    assert (out / ".hydra" / "config.yaml").read_bytes() == config_before and (
+        out / ".hydra" / "config.1.yaml"
+    ).exists()
+
+
+def test_slurm_requeue_signal_checkpoints_at_the_round_boundary(default_run, tmp_path: Path) -> None:
+    """SIGUSR1 in the middle of round 5 (SLURM's --signal): the round finishes, round_00005 is written, `scontrol
+    requeue <job>` is called, the run stops (exit 0, no test); the requeued job resumes to the same final model."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(stat.S_IRWXU)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "flx", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
+    slurm |= {"SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}
+    slurm["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    out = tmp_path / "run"
+    first = run(out, *KILL, "+callbacks.kill.signal=SIGUSR1", "ckpt_path=auto", env=slurm)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "requeued after round 5" in first.stdout and "final test_acc" not in first.stdout
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 5
+    second = run(out, "ckpt_path=auto", env=slurm)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+
+
+def test_nan_clients_are_dropped_then_divergence_stops_with_one_line(tmp_path: Path) -> None:
+    """Round 2: one NaN client is dropped (a warning line, fl/dropped_clients=1). Round 3: every update is NaN: exit
+    status 3 with one 'diverged' line; last.ckpt is round 2's, finite."""
+    poison = [
+        "+algo.parts.poison._target_=helpers.PoisonFrom",
+        "+algo.parts.poison.one=1",
+        "+algo.parts.poison.every=2",
+    ]
+    out = tmp_path / "run"
+    proc = run(out, *poison)
+    lines = flx_lines(proc.stderr)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert lines[0].startswith("flx: warning: round 2: dropped 1 of 10 clients") and "fault.policy=drop" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("flx: error: diverged in round 3: every client")
+    assert "lower algo.lr" in lines[1] and "final test_acc" not in proc.stdout
+    last = ckpt(out / "checkpoints" / "last.ckpt")
+    assert last["flx"]["round"] == 2 and all(torch.isfinite(t).all() for t in last["state_dict"].values())
+    dropped = [
+        float(r["fl/dropped_clients"])
+        for r in csv.DictReader(open(out / "csv" / "metrics.csv"))
+        if r.get("fl/dropped_clients")
+    ]
+    assert dropped == [0.0, 1.0]
+
+    stop = run(tmp_path / "stop", *poison, "fault.policy=stop")
+    assert (
+        stop.returncode == 3
+        and flx_lines(stop.stderr) == [flx_lines(stop.stderr)[0]]
+        and "round 2: client" in stop.stderr
+        and "fault.policy=stop" in stop.stderr
+    )
+
+
+def test_huge_learning_rate_stops_as_diverged(tmp_path: Path) -> None:
+    """`algo.lr=1e8` used to exit 0 with test_acc=0.1 and a NaN checkpoint: now one line, exit 3, no NaN saved."""
+    out = tmp_path / "run"
+    proc = run(out, "algo.lr=1e8")
+    lines = flx_lines(proc.stderr)
+    assert proc.returncode == 3 and lines[-1].startswith("flx: error: diverged in round")
+    assert "lower algo.lr (now 1e+08)" in lines[-1] and sum("error" in line for line in lines) == 1
+    for path in (out / "checkpoints").glob("*.ckpt"):
+        assert all(torch.isfinite(t).all() for t in ckpt(path)["state_dict"].values()), path
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    where.mkdir(parents=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
+
+
+def test_full_disk_and_read_only_folder_give_one_line(tmp_path: Path) -> None:
+    """A disk that fills up during the run: exit 2, one line; last.ckpt is a complete earlier checkpoint and no
+    temporary file is left. A read-only output folder: exit 2, one line, before anything runs."""
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    _mount_tmpfs(full, "size=600k")
+    try:
+        proc = run(full / "run")
+        lines = flx_lines(proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith("flx: error: cannot write") and "No space left on device" in lines[0]
+        last = ckpt(full / "run" / "checkpoints" / "last.ckpt")
+        assert last["flx"]["round"] >= 1 and not list((full / "run" / "checkpoints").glob(".*tmp*"))
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
+    _mount_tmpfs(ro, "size=64k,ro")
+    try:
+        proc = run(ro / "run")
+        lines = flx_lines(proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+        assert lines[0].startswith(f"flx: error: hydra.run.dir='{ro / 'run'}'") and "not writable" in lines[0]
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
