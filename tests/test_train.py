@@ -281,6 +281,22 @@ def test_fedxl_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
     assert full["test/auroc"] > 0.8  # far above chance (0.5) after 4 rounds x 4 steps: the X-risk loss learns
 
 
+def test_one_logit_fedxl2_learns_and_logs_the_metrics_of_z(tmp_path: Path) -> None:
+    """model.binary_head=one_logit: the net outputs one column z; FeDXL2 scores sigmoid(z) and reaches AUROC > 0.8
+    in 4 rounds x 4 steps; test AUROC / pAUC equal sklearn's on z, accuracy is that of z > 0."""
+    head = ["model=logreg", "model.binary_head=one_logit", "logger=none"]
+    dm, module, trainer = build(compose(tmp_path, "algo=fedxl2", *FEDXL, *head, "algo.rounds=4"))
+    trainer.fit(module, datamodule=dm)
+    metrics = trainer.test(module, datamodule=dm, verbose=False)[0]
+    with torch.no_grad():
+        z = module.net(dm.data.x_test)
+    assert z.shape == (len(dm.data.y_test), 1)
+    z, y = z[:, 0].numpy(), dm.data.y_test.numpy()
+    assert metrics["test/auroc"] == pytest.approx(roc_auc_score(y, z), abs=1e-6) and metrics["test/auroc"] > 0.8
+    assert metrics["test/pauc_0.3"] == pytest.approx(roc_auc_score(y, z, max_fpr=0.3), abs=1e-6)
+    assert metrics["test/acc"] == pytest.approx(float(((z > 0) == y).mean()), abs=1e-6)
+
+
 def test_fedxl_reproduction_script_quick(tmp_path: Path) -> None:
     """scripts/reproduce/fedxl.py --quick writes both tables (every method, with numbers) and the plot."""
     _script("fedxl.py", "--quick", "--rounds", "1", "--out", str(tmp_path))

@@ -26,6 +26,7 @@ from flx.config import check_ckpt, fingerprint, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value
 from flx.federation import Federation, FederationConfig
+from flx.models import heads
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
@@ -107,7 +108,10 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         client_eval=cfg.get("client_eval", "holdout"),
     )
     dm.setup("fit")
-    net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
+    # model.binary_head is flx's, not the net's: one_logit builds the net with one output column (flx.models.heads)
+    model_cfg = {k: v for k, v in cfg.model.items() if k != "binary_head"}
+    outputs = heads.num_outputs(cfg.model.get("binary_head", "two_logits"), dm.data.num_classes)
+    net = instantiate(model_cfg, input_shape=list(dm.data.input_shape), num_classes=outputs)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg))

@@ -22,6 +22,7 @@ from flx.losses.xrisk import (
     squared_hinge_d1,
     squared_hinge_d2,
     update_u,
+    update_u_table,
 )
 
 LAM = 2.5
@@ -175,6 +176,30 @@ def test_update_u_gamma_one_is_exact_inner_mean() -> None:
     ell = partial(kl_opauc_inner, lam=LAM)
     new = update_u(torch.ones(5, dtype=torch.float64), x["a"], x["passive_neg"], ell, gamma=1.0)
     torch.testing.assert_close(new, ell(x["a"][:, None], x["passive_neg"][None, :]).mean(1).detach(), **TOL)
+
+
+def test_update_u_table_repeated_positive_takes_the_mean_estimate() -> None:
+    """Squared hinge, m = 1, gamma = 0.5, one partner c = 0; table [1, 2, 3], draws rows [0, 0, 2] scoring
+    a = [0.5, 0, 1] (positive 0 twice, e.g. under input noise):
+
+    ell(0.5, 0) = 0.25, ell(0, 0) = 1, ell(1, 0) = 0.
+    u_0 = 0.5 * 1 + 0.5 * (0.25 + 1) / 2 = 0.8125 (once, not the last copy's 0.5 + 0.5 = 1.0);
+    u_2 = 0.5 * 3 + 0.5 * 0 = 1.5; u_1 untouched. Returned per draw: [0.8125, 0.8125, 1.5].
+    """
+    table = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    a = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)
+    new = update_u_table(table, torch.tensor([0, 0, 2]), a, torch.zeros(1, dtype=torch.float64), squared_hinge, 0.5)
+    torch.testing.assert_close(new, torch.tensor([0.8125, 0.8125, 1.5], dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(table, torch.tensor([0.8125, 2.0, 1.5], dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_update_u_table_without_repeats_is_update_u() -> None:
+    x = batch(50)
+    ell, rows = partial(kl_opauc_inner, lam=LAM), torch.tensor([4, 0, 2, 1, 3])
+    table = torch.arange(1.0, 6.0, dtype=torch.float64)
+    expected = update_u(table[rows], x["a"], x["passive_neg"], ell, gamma=0.3)
+    torch.testing.assert_close(update_u_table(table, rows, x["a"], x["passive_neg"], ell, 0.3), expected, **TOL)
+    torch.testing.assert_close(table[rows], expected, **TOL)
 
 
 def test_kl_opauc_exact_u_gives_true_gradient() -> None:

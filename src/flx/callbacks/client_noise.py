@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from flx.callbacks.base import FederatedCallback
@@ -42,16 +43,24 @@ class ClientNoise(FederatedCallback):
         self.mu0, self.delta, self.sigma = float(mu0), float(delta), float(sigma)
         self._handle: Any = None
 
-    @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
-        mu, gen = self.mu0 + self.delta * client.cid, client.generator
+    def register_input_hook(self, net: nn.Module, cid: int, generator: torch.Generator) -> RemovableHandle:
+        """Adds client ``cid``'s noise to every input of ``net`` (drawn from ``generator``) until the handle is removed.
+
+        Public so that a part scoring client inputs outside the local steps applies the same noise (FeDXL's
+        round-1 pools, ``algo.init_pools=minibatch``).
+        """
+        mu = self.mu0 + self.delta * cid
 
         def add_noise(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             x = args[0]
-            eps = torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device) if self.sigma else 0.0
+            eps = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device) if self.sigma else 0.0
             return (x + mu + self.sigma * eps, *args[1:])
 
-        self._handle = fed.net.register_forward_pre_hook(add_noise)
+        return net.register_forward_pre_hook(add_noise)
+
+    @override
+    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+        self._handle = self.register_input_hook(fed.net, client.cid, client.generator)
 
     @override
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:

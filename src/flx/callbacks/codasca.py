@@ -28,8 +28,9 @@ of CODASCA, LibAUC example 06, and are options where the paper and code can diff
   N(0, 0.01^2)); later references are the mean of the global models after each round of the stage (the code
   averages each client's local iterates and never synchronises them, so its clients hold different references).
 - ``p`` (the positive ratio) defaults to the fraction of positives in the whole training set (the code passes
-  the known ``imratio``). Scores are :math:`h = \sigma(\text{logit}_1 - \text{logit}_0)` (``score``), as the
-  code's sigmoid output. ``algo.weight_decay`` applies to :math:`a, b` too, as in the code.
+  the known ``imratio``). Scores are :math:`h = \sigma(z)` (``score``), as the code's sigmoid output, with
+  :math:`z = \text{logit}_1 - \text{logit}_0`, or the single logit with ``model.binary_head=one_logit``
+  (:mod:`flx.models.heads`). ``algo.weight_decay`` applies to :math:`a, b` too, as in the code.
 - The server step of :math:`a, b, \alpha` is the plain step :math:`x + \eta_g(\bar x - x)` whatever
   ``algo.server.name`` is; the defaults (``sgd``, ``lr=1``) give the code's plain averaging.
 """
@@ -47,6 +48,7 @@ from flx.aggregation import flat_views
 from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
 from flx.losses import aucm, xrisk
+from flx.models import heads
 
 if TYPE_CHECKING:
     from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
@@ -172,7 +174,7 @@ class Codasca(FederatedCallback):
     @override
     def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:
         s = client.extras["codasca"]
-        h = xrisk.binary_score(client.outputs, self.params.score)
+        h = heads.binary_score(client.outputs, self.params.score)
         return aucm.aucm(h, client.batch[1], s["a"], s["b"], s["alpha"], self.state["p"], self.params.margin)
 
     @override

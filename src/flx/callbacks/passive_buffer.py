@@ -15,17 +15,24 @@ computed during the previous round(s), merged by the server:
 FeDXL1 is ``compositional=False`` (``f`` linear, ``nabla f = 1``, no ``u``) with ``beta=1`` (plain SGD).
 Choices the paper leaves open (digest §5), each a parameter: passive partners per step ``p1``/``p2``
 (default ``B1``/``B2`` and pairing every active score with every partner, as the authors' code), drawn
-with or without ``replacement`` (code: with; paper: "take next"), pool ``depth`` in rounds (paper 1,
-code 2), ``u0`` (1, as the code: ``f = lam log`` needs ``u > 0``), the score ``h = sigmoid(logit_1 - logit_0)``
-(``score="sigmoid"``, as the code; ``"logit"`` keeps the raw margin, unbounded, so exp-type losses can overflow).
-``H^0`` (Alg. 1-2 line 2) is every training sample's score under ``w^0``; later pools hold exactly the
-scores and post-update ``u`` values recorded during the round's steps, merged in client-id order.
-The momentum ``m`` starts each round at the server mean of the clients' last momenta (``0`` in round 1).
+without ``replacement`` (default: "take next" from a per-client shuffle of the pool, reshuffled when used up, as the
+paper) or with it (the code), pool ``depth`` in rounds (paper 1, code 2), ``u0`` (1, as the code:
+``f = lam log`` needs ``u > 0``), the score ``h = sigmoid(z)`` with ``z`` the binary margin of
+:mod:`flx.models.heads` (``score="sigmoid"``, as the code; ``"logit"`` keeps ``z``, unbounded, so exp-type losses
+can overflow). ``H^0`` and ``U^0`` (Alg. 1-2 line 2, ``init_pools``): by default every client scores ``K``
+minibatches of ``B1`` positives and ``B2`` negatives under ``w^0``, drawn and perturbed (the ``ClientNoise`` part)
+as in its local steps, with no update (``"minibatch"``, the paper); ``"clean_pass"`` scores every training sample
+once, without noise. Later pools hold exactly the scores and post-update ``u`` values recorded during the round's
+steps, merged in client-id order. A positive drawn twice in one minibatch updates its ``u`` once, with the mean of
+its estimates (:func:`flx.losses.xrisk.update_u_table`). With ``beta < 1`` the momentum ``m`` starts each round at
+the server mean of the clients' last momenta (``0`` in round 1; ``momentum_sync="server"``, Alg. 2 line 5), or
+each client keeps its own across rounds in the client state store (``"client"``).
 
 ``pairs="local"`` is the paper's Local Pair baseline (digest §2.4): the same objective on the pairs of each
-step's own minibatch, gradient through both sides, ``u`` from local pairs, no score pools; its momentum is
-averaged like FeDXL2's (the paper does not say; the authors' code keeps it local). With one client holding all
-the data (``partition.num_clients=1``) it is the Centralized reference (SOX for the compositional loss).
+step's own minibatch, gradient through both sides, ``u`` from local pairs, no score pools; its config keeps the
+momentum per client (``momentum_sync=client``: the paper describes only model averaging; the authors' code keeps
+momentum and ``u`` local). With one client holding all the data (``partition.num_clients=1``) it is the
+Centralized reference (SOX for the compositional loss).
 Partial participation (Appendix F) is ``algo.clients_per_round < N``: pools and the momentum mean come from
 the round's participants, other clients' ``u`` tables stay frozen in the store.
 """
@@ -43,12 +50,21 @@ from typing_extensions import override
 from flx.aggregation import WeightedMean, flat_views
 from flx.callbacks.base import FederatedCallback
 from flx.errors import ConfigError, bad_value
+from flx.federation import derive_seed
 from flx.losses import xrisk
+from flx.models import heads
 
 if TYPE_CHECKING:
     from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
 
 LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
+CHOICES = {
+    "pairs": ("passive", "local"),
+    "score": ("sigmoid", "logit"),
+    "init_pools": ("minibatch", "clean_pass"),
+    "momentum_sync": ("server", "client"),
+}
+_H0_TAG = 0x4830  # the (seed, 0, client, tag) stream of the round-1 pools' minibatches and noise
 
 
 @dataclass(frozen=True)
@@ -66,10 +82,12 @@ class PassiveBufferParams:
     gamma: float = 0.1
     beta: float = 0.1
     depth: int = 1
-    replacement: bool = True
+    replacement: bool = False
     u0: float = 1.0
     score: str = "sigmoid"
     pairs: str = "passive"
+    init_pools: str = "minibatch"
+    momentum_sync: str = "server"
 
 
 class PassiveBuffer(FederatedCallback):
@@ -80,10 +98,9 @@ class PassiveBuffer(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
-        if p.pairs not in ("passive", "local"):
-            raise bad_value("algo.pairs", p.pairs, "allowed: passive (FeDXL), local (the Local Pair baseline)")
-        if p.score not in ("sigmoid", "logit"):
-            raise bad_value("algo.score", p.score, "allowed: sigmoid, logit")
+        for key, allowed in CHOICES.items():
+            if getattr(p, key) not in allowed:
+                raise bad_value(f"algo.{key}", getattr(p, key), f"allowed: {', '.join(allowed)}")
         if p.loss not in LOSSES:
             raise bad_value("algo.loss", p.loss, f"allowed: {', '.join(LOSSES)}")
         for key in ("b1", "b2", "depth"):
@@ -98,6 +115,7 @@ class PassiveBuffer(FederatedCallback):
         self.f_prime = functools.partial(xrisk.kl_opauc_outer_prime, lam=p.lam)
         self.pools: list[dict[str, Tensor]] = []  # oldest first; keys pos, u, neg
         self.gbar: Tensor | None = None
+        self.server_momentum = p.beta < 1 and p.momentum_sync == "server"
 
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
@@ -116,7 +134,8 @@ class PassiveBuffer(FederatedCallback):
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
         if not self.pools and self.params.pairs == "passive":
-            self.pools = [self._initial_pool(fed)]
+            first = self._minibatch_pool if self.params.init_pools == "minibatch" else self._initial_pool
+            self.pools = [first(fed)]
         self._merged = (
             {k: torch.cat([pool[k] for pool in self.pools]) for k in ("pos", "u", "neg")} if self.pools else {}
         )
@@ -131,6 +150,38 @@ class PassiveBuffer(FederatedCallback):
         pos = fed.data.y[rows].cpu() == 1
         return {"pos": scores[pos], "u": torch.full((int(pos.sum()),), self.params.u0), "neg": scores[~pos]}
 
+    @torch.no_grad()
+    def _minibatch_pool(self, fed: Federation) -> dict[str, Tensor]:
+        """``H^0``, ``U^0``: each client scores ``K`` minibatches under ``w^0`` as in its local steps, no update.
+
+        Minibatches come from ``_pick`` and the inputs go through the input hooks of the parts that offer one
+        (``ClientNoise.register_input_hook``), all drawn from a ``(seed, 0, client)`` stream, in train mode as the
+        local steps; every rank computes the same pools. The net's buffers may move (BatchNorm statistics), but
+        clients load the round's snapshot and the server step overwrites them.
+        """
+        p, gen, was_training = self.params, torch.Generator(), fed.net.training
+        hooks = [q for q in fed.parts if hasattr(q, "register_input_hook")]
+        dev = fed.params[0].device
+        scores: dict[str, list[Tensor]] = {"pos": [], "neg": []}
+        fed.net.train()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout off the global stream
+            for cid, rows in enumerate(fed.data.client_indices):
+                seed = derive_seed(fed.cfg.seed, 0, cid, _H0_TAG)
+                gen.manual_seed(seed)
+                torch.manual_seed(seed)
+                handles = [q.register_input_hook(fed.net, cid, gen) for q in hooks]
+                pos, neg = self._split(fed, rows)
+                for _ in range(fed.client_steps(cid)):
+                    batch = torch.cat([pos[self._pick(pos, p.b1, gen)], neg[self._pick(neg, p.b2, gen)]])
+                    h = self.score(fed.net(fed.data.x[batch])).double().cpu()  # (B1 + B2,)
+                    scores["pos"].append(h[: p.b1])
+                    scores["neg"].append(h[p.b1 :])
+                for handle in handles:
+                    handle.remove()
+        fed.net.train(was_training)
+        pos = torch.cat(scores["pos"])
+        return {"pos": pos, "u": torch.full_like(pos, p.u0), "neg": torch.cat(scores["neg"])}
+
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
         if self.params.pairs == "passive":
@@ -138,52 +189,69 @@ class PassiveBuffer(FederatedCallback):
             records = {cid: rec for part in everyone for cid, rec in part.items()}
             merged = {k: torch.cat([records[c][k] for c in sorted(records)]) for k in ("pos", "u", "neg")}
             self.pools = (self.pools + [merged])[-self.params.depth :]
-        if self.params.compositional:
+        if self.server_momentum:
             self._momentum.sync(fed.reduce_sum if fed.world_size > 1 else None)
             self.gbar = self._momentum.compute()[0].clone()
 
     # ------------------------------------------------------------------ client
     def score(self, outputs: Tensor) -> Tensor:
-        """``h(w; z)``: the positive-class logit margin (one output: itself), squashed by a sigmoid by default."""
-        return xrisk.binary_score(outputs, self.params.score)
+        """``h(w; z)``: the binary margin ``z`` (:mod:`flx.models.heads`), squashed by a sigmoid by default."""
+        return heads.binary_score(outputs, self.params.score)
 
     @staticmethod
     def _numel(fed: Federation) -> int:
         return sum(p.numel() for p in fed.params)
 
+    @staticmethod
+    def _split(fed: Federation, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """A client's rows: its positives, its negatives."""
+        is_pos = fed.data.y[rows].cpu() == 1
+        return rows[is_pos], rows[~is_pos]
+
+    def _start_momentum(self, fed: Federation, client: ClientContext) -> Tensor:
+        """``m`` at the round's first step: the server mean ``G_bar``, or the client's own (``momentum_sync``)."""
+        if self.params.momentum_sync == "client" and "m" in client.state:
+            return client.state["m"].clone()
+        if self.params.momentum_sync == "server" and self.gbar is not None:
+            return self.gbar.clone()
+        return torch.zeros(self._numel(fed), dtype=fed.params[0].dtype, device=fed.params[0].device)
+
     @override
     def on_client_start(self, fed: Federation, client: ClientContext) -> None:
-        rows = fed.data.client_indices[client.cid]
-        is_pos = fed.data.y[rows].cpu() == 1
-        if not bool(is_pos.any()) or bool(is_pos.all()):
+        pos, neg = self._split(fed, fed.data.client_indices[client.cid])
+        if not len(pos) or not len(neg):
             raise RuntimeError(f"FeDXL: client {client.cid} needs both positives and negatives")
-        u = client.state.get("u", torch.full((int(is_pos.sum()),), self.params.u0, dtype=torch.float64))
-        m = self.gbar.clone() if self.gbar is not None else torch.zeros(self._numel(fed), dtype=fed.params[0].dtype)
+        u = client.state.get("u", torch.full((len(pos),), self.params.u0, dtype=torch.float64))
         client.extras["fedxl"] = {
-            "pos": rows[is_pos],
-            "neg": rows[~is_pos],
+            "pos": pos,
+            "neg": neg,
             "u": u.cpu().double(),
-            "m": m,
+            "m": self._start_momentum(fed, client),
             "rec": {"pos": [], "u": [], "neg": []},
             "order": self._passive_order(client),
         }
 
     def _passive_order(self, client: ClientContext) -> dict[str, Tensor] | None:
-        """Without replacement: one permutation per client and round, shared by the S_1 scores and their u."""
-        if self.params.replacement or self.params.pairs == "local":
+        """Without replacement: the round's draws, per client, shared by the S_1 scores and their u."""
+        p = self.params
+        if p.replacement or p.pairs == "local":
             return None
-        g = client.generator
+        g, steps = client.generator, client.num_steps
         return {
-            "pos": torch.randperm(len(self._merged["pos"]), generator=g),
-            "neg": torch.randperm(len(self._merged["neg"]), generator=g),
+            "pos": self._shuffled(len(self._merged["pos"]), steps * (p.p1 or p.b1), g),
+            "neg": self._shuffled(len(self._merged["neg"]), steps * (p.p2 or p.b2), g),
         }
+
+    @staticmethod
+    def _shuffled(n: int, total: int, g: torch.Generator) -> Tensor:
+        """Draws "taken next" from a shuffled pool of ``n``: permutations one after another (fresh when used up)."""
+        return torch.cat([torch.randperm(n, generator=g) for _ in range(-(-total // n))])[:total]
 
     def _draw(self, n: int, count: int, client: ClientContext, key: str) -> Tensor:
         order = client.extras["fedxl"]["order"]
         if order is None:
             return torch.randint(n, (count,), generator=client.generator)
-        k = client.step * count
-        return order[key][torch.arange(k, k + count) % n]
+        return order[key][client.step * count : (client.step + 1) * count]
 
     @staticmethod
     def _pick(rows: Tensor, count: int, gen: torch.Generator) -> Tensor:
@@ -208,8 +276,7 @@ class PassiveBuffer(FederatedCallback):
         jp = self._draw(len(pool["pos"]), p.p1 or p.b1, client, "pos")
         hn, hp, up = (pool["neg"][jn].to(h), pool["pos"][jp].to(h), pool["u"][jp].to(h))
         if p.compositional:
-            u = xrisk.update_u(s["u"][s["ipos"]].to(h), a, hn, self.ell, p.gamma)
-            s["u"][s["ipos"]] = u.cpu().double()
+            u = xrisk.update_u_table(s["u"], s["ipos"], a, hn, self.ell, p.gamma)
             surrogate = xrisk.compositional_surrogate(a, b, hn, hp, u, up, self.ell, self.f_prime)
         else:
             u = torch.ones_like(a)
@@ -225,8 +292,7 @@ class PassiveBuffer(FederatedCallback):
         """
         weight = torch.ones_like(a)
         if self.params.compositional:
-            u = xrisk.update_u(s["u"][s["ipos"]].to(a), a, b, self.ell, self.params.gamma)
-            s["u"][s["ipos"]] = u.cpu().double()
+            u = xrisk.update_u_table(s["u"], s["ipos"], a, b, self.ell, self.params.gamma)
             weight = self.f_prime(u)
         return (weight.detach() * self.ell(a[:, None], b[None, :]).mean(dim=1)).mean()
 
@@ -248,7 +314,10 @@ class PassiveBuffer(FederatedCallback):
             self._records[client.cid] = {k: torch.cat(v).double() for k, v in s["rec"].items()}
         if self.params.compositional:
             client.state["u"] = s["u"]
+        if self.server_momentum:
             self._momentum.update([s["m"]], 1.0)
+        elif self.params.beta < 1 and self.params.momentum_sync == "client":
+            client.state["m"] = s["m"]
 
     # ------------------------------------------------------------------ checkpoint
     @override

@@ -63,15 +63,6 @@ PairLoss = Callable[[Tensor, Tensor], Tensor]
 """An elementwise pairwise loss ``ell(a, b)`` on broadcastable score tensors."""
 
 
-def binary_score(outputs: Tensor, kind: str = "sigmoid") -> Tensor:
-    """``h(w; z)``: the positive-class logit margin ``logit_1 - logit_0`` (a one-output net: its output).
-
-    ``kind="sigmoid"`` squashes it into (0, 1) (the authors' code of FeDXL and of CODASCA); ``"logit"`` keeps it.
-    """
-    margin = outputs[:, 1] - outputs[:, 0] if outputs.shape[-1] == 2 else outputs.reshape(-1)
-    return torch.sigmoid(margin) if kind == "sigmoid" else margin
-
-
 def check_binary_labels(y: Tensor, algo: str) -> None:
     """One clear error when an AUC / X-risk algorithm is given labels other than 0/1 (e.g. a 10-class dataset)."""
     if y.numel() and (int(y.min()) < 0 or int(y.max()) > 1):
@@ -274,3 +265,38 @@ def update_u(u: Tensor, a: Tensor, passive_neg: Tensor, ell: PairLoss, gamma: fl
     """
     inner = ell(a[:, None], passive_neg[None, :]).mean(dim=1)  # (B1,)
     return (1.0 - gamma) * u + gamma * inner
+
+
+@torch.no_grad()
+def update_u_table(table: Tensor, rows: Tensor, a: Tensor, partners: Tensor, ell: PairLoss, gamma: float) -> Tensor:
+    r"""Eq. 11 on a client's :math:`u` table, in place, for the drawn positives ``rows``; returns their new :math:`u`.
+
+    A positive drawn :math:`n_s > 1` times in one minibatch (sampling with replacement) is updated once, with the
+    mean of the estimates of its copies :math:`c`, and every copy reads that one value (Algorithm 2 line 16 reads
+    the table after the update):
+
+    .. math::
+        u_s \leftarrow (1 - \gamma)\, u_s + \gamma\, \frac{1}{n_s} \sum_{c=1}^{n_s} \frac{1}{P} \sum_p
+            \ell(a_{s,c}, \tilde h_p).
+
+    Without repeats this is :func:`update_u` written into the table.
+
+    Args:
+        table: The client's ``u`` table, one entry per local positive; updated in place.
+        rows: ``(B1,)`` entries of ``table`` drawn at the step (may repeat).
+        a: ``(B1,)`` active positive scores of the draws (copies may differ: input noise, dropout).
+        partners: ``(P,)`` partner scores (passive negatives, or the step's own negatives for Local Pair).
+        ell: Pairwise loss.
+        gamma: Averaging weight :math:`\gamma \in (0, 1]`.
+
+    Returns:
+        The ``(B1,)`` post-update :math:`u` of the draws, on ``a``'s device and dtype, without grad.
+    """
+    inner = ell(a[:, None], partners[None, :]).mean(dim=1)  # (B1,)
+    uniq, inv = torch.unique(rows, return_inverse=True)
+    inv = inv.to(inner.device)
+    total = inner.new_zeros(len(uniq)).index_add_(0, inv, inner)
+    count = inner.new_zeros(len(uniq)).index_add_(0, inv, torch.ones_like(inner))
+    new = (1.0 - gamma) * table[uniq].to(inner) + gamma * total / count
+    table[uniq] = new.to(table)
+    return new[inv]

@@ -25,8 +25,10 @@ class PerClientAccuracy(Metric):
         self.add_state("correct", torch.zeros(num_clients, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("total", torch.zeros(num_clients, dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, logits: Tensor, target: Tensor, client: Tensor) -> None:
-        self.correct.index_add_(0, client, (logits.argmax(-1) == target).long())
+    def update(self, preds: Tensor, target: Tensor, client: Tensor) -> None:
+        """``preds``: predicted classes ``(B,)`` (``flx.models.heads.predict``), or logits ``(B, C)`` (argmax)."""
+        preds = preds.argmax(-1) if preds.dim() > 1 else preds
+        self.correct.index_add_(0, client, (preds == target).long())
         self.total.index_add_(0, client, torch.ones_like(client))
 
     def compute(self) -> Tensor:

@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -26,6 +25,7 @@ from flx.federation import Diverged, Federation
 from flx.loop import IDLE
 from flx.metrics.auc import AUROCs
 from flx.metrics.client_summary import PerClientAccuracy, summarize
+from flx.models import heads
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -39,7 +39,8 @@ class FederatedModule(pl.LightningModule):
     """Classification task wrapper.
 
     Args:
-        net: the model (maps ``(B, *input_shape)`` to logits ``(B, C)``).
+        net: the model (maps ``(B, *input_shape)`` to logits ``(B, C)``; a binary task may use one logit
+            ``(B, 1)``, see :mod:`flx.models.heads`).
         federation: the round protocol.
         num_classes: number of classes ``C``.
         num_clients: number of clients (for per-client metrics).
@@ -61,7 +62,7 @@ class FederatedModule(pl.LightningModule):
         self.acc = nn.ModuleDict({s: MulticlassAccuracy(num_classes, average="micro") for s in ("val", "test")})
         self.loss_mean = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
         self.client_acc = nn.ModuleDict({s: PerClientAccuracy(num_clients) for s in ("val", "test")})
-        # binary tasks also get AUROC and standardised pAUC (FPR <= 0.3, 0.5) of the score logit_1 - logit_0
+        # binary tasks also get AUROC and standardised pAUC (FPR <= 0.3, 0.5) of the margin z (heads.binary_margin)
         self.auc = nn.ModuleDict({s: AUROCs() for s in ("val", "test")}) if num_classes == 2 else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -69,7 +70,7 @@ class FederatedModule(pl.LightningModule):
 
     @staticmethod
     def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits, target)
+        return heads.classification_loss(logits, target)
 
     def configure_optimizers(self) -> None:
         return None  # local optimizers live in the federation, the server optimizer too
@@ -134,13 +135,14 @@ class FederatedModule(pl.LightningModule):
         if x.is_floating_point():  # integer token ids stay int64
             x = x.to(next(self.net.parameters()).dtype)
         logits = self.net(x)
+        pred = heads.predict(logits)
         if dataloader_idx == 0:
-            self.acc[split].update(logits, batch[1])
-            self.loss_mean[split].update(F.cross_entropy(logits, batch[1]), weight=len(batch[1]))
+            self.acc[split].update(pred, batch[1])
+            self.loss_mean[split].update(heads.classification_loss(logits, batch[1]), weight=len(batch[1]))
             if self.auc is not None:
-                self.auc[split].update(logits[:, 1] - logits[:, 0], batch[1])
+                self.auc[split].update(heads.binary_margin(logits), batch[1])
         else:
-            self.client_acc[split].update(logits, batch[1], batch[2])
+            self.client_acc[split].update(pred, batch[1], batch[2])
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step("val", batch, dataloader_idx)
