@@ -66,7 +66,21 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {one_line(e)}") from None
     _check_added_keys(user, cfg, config_dir)
     _check_partition(cfg)
+    _check_run_dir(overrides, cfg)
     return cfg
+
+
+def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
+    """The run folder (``hydra.run.dir``, else under ``paths.log_dir``) must be creatable: Hydra creates it before
+    the run starts, so a read-only or unwritable place is reported here, as one line."""
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    key, path = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", str(OmegaConf.select(cfg, "paths.log_dir")))
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        why = "not a folder" if not os.path.isdir(existing) else "not writable"
+        raise bad_value(key, path, f"cannot create the run folder there ({existing} is {why}); choose another folder")
 
 
 def _inside_target(cfg: DictConfig, key: str) -> bool:
