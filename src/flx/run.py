@@ -23,6 +23,7 @@ from flx.config import validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError
 from flx.federation import Federation, FederationConfig
+from flx.models.init import init_weights
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
@@ -94,7 +95,10 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         client_eval=cfg.get("client_eval", "holdout"),
     )
     dm.setup("fit")
-    net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
+    # model.init is flx's key (starting weights), not an argument of the net's constructor
+    net_cfg = {k: v for k, v in cfg.model.items() if k != "init"}
+    net = instantiate(net_cfg, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
+    init_weights(net, cfg.model.get("init", "default"))
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients)
