@@ -83,7 +83,9 @@ def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
 
 def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={out}", "logger=csv"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests")}
+    # this checkout's src first: the child must run the code under test, not another tree's editable install
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -386,6 +388,19 @@ def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
     assert len(losses[0]) == 4 and np.allclose(losses[0], losses[1], rtol=0, atol=1e-5)
     lam_json = json.loads((tmp_path / "one" / "lambda.json").read_text())["round_end"]
     assert len(lam_json) == 4 and all(abs(sum(row) - 1) < 1e-9 for row in lam_json)
+
+
+def test_drfa_repeat_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """algo.duplicates=repeat under DDP: a cohort holding one client twice puts one copy on each rank (no idle
+    rank); each copy keeps its (seed, round, client, copy) stream wherever it runs, so lambda and the model equal
+    the 1-process run."""
+    from flx.run import federation_config
+
+    assert federation_config(compose(tmp_path / "cfg", *DRFA, "algo.duplicates=repeat")).duplicates == "repeat"
+    common = [*DRFA, "algo.rounds=4", "algo.duplicates=repeat"]
+    one, _, p1, p2 = _one_and_two_processes(tmp_path, *common, part="LambdaSampling")
+    assert any(len(set(c)) == 1 for c in _drfa_cohorts(one, 4))
+    torch.testing.assert_close(p1["lam"], p2["lam"], rtol=0, atol=1e-6)
 
 
 def test_drfa_reproduction_script_quick(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ def federation_config(cfg: DictConfig) -> FederationConfig:
         momentum=float(a.momentum),
         weight_decay=float(a.weight_decay),
         weighting=a.weighting,
+        duplicates=a.get("duplicates", "multiplicity"),
         seed=cfg.seed,
         server=server,
     )
