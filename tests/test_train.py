@@ -392,8 +392,8 @@ def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
 
 def test_drfa_repeat_one_process_equals_two_processes(tmp_path: Path) -> None:
     """algo.duplicates=repeat under DDP: a cohort holding one client twice puts one copy on each rank (no idle
-    rank); each copy keeps its (seed, round, client, copy) stream wherever it runs, so lambda and the model equal
-    the 1-process run."""
+    rank); each copy keeps its (seed, round, client, copy) stream wherever it runs, so lambda, the model and the
+    logged max_i f_i equal the 1-process run."""
     from flx.run import federation_config
 
     assert federation_config(compose(tmp_path / "cfg", *DRFA, "algo.duplicates=repeat")).duplicates == "repeat"
@@ -401,6 +401,13 @@ def test_drfa_repeat_one_process_equals_two_processes(tmp_path: Path) -> None:
     one, _, p1, p2 = _one_and_two_processes(tmp_path, *common, part="LambdaSampling")
     assert any(len(set(c)) == 1 for c in _drfa_cohorts(one, 4))
     torch.testing.assert_close(p1["lam"], p2["lam"], rtol=0, atol=1e-6)
+    # ClientLoss on 2 ranks: each computes half the clients, one sum; the logged max_i f_i equals the 1-process one
+    key = "train/client_loss_max"
+    logged = [
+        [float(r[key]) for r in csv.DictReader(open(next((tmp_path / run).rglob("metrics.csv")))) if r.get(key)]
+        for run in ("one", "two")
+    ]
+    assert len(logged[0]) == 4 and np.allclose(logged[0], logged[1], rtol=0, atol=1e-5)
 
 
 def test_drfa_reproduction_script_quick(tmp_path: Path) -> None:
