@@ -429,7 +429,7 @@ def test_issue_drfa_commands(tmp_path: Path) -> None:
         assert 0 <= metrics["test/acc"] <= 1
     prox = ["+algo.parts.prox._target_=flx.callbacks.prox.Prox", "+algo.parts.prox.mu=0.1"]
     cfg = compose(tmp_path / "prox", "algo=drfa", *prox, *SMALL, "algo.rounds=2", "logger=none")
-    assert list(cfg.algo.parts) == ["lambda_sampling", "prox"]
+    assert list(cfg.algo.parts) == ["lambda_sampling", "client_loss", "prox"]
     assert 0 <= train(cfg)["test/acc"] <= 1
     _write_tiny_adult(tmp_path / "data" / "adult")
     adult = [
