@@ -106,6 +106,8 @@ CASES = [
     Case("local-epochs-zero", ("algo.local_epochs=0",), ("algo.local_epochs=0", ">= 1")),
     Case("batch-size-zero", ("algo.batch_size=0",), ("algo.batch_size=0", ">= 1")),
     Case("momentum-too-big", ("algo.momentum=1.5",), ("algo.momentum=1.5", "[0, 1)")),
+    Case("duplicates-unknown", ("algo.duplicates=twice",), ("algo.duplicates=", "twice", "multiplicity, repeat")),
+    Case("model-init-unknown", ("model.init=ones",), ("model.init=", "ones", "default, zeros")),
     Case("weighting-unknown", ("algo.weighting=foo",), ("algo.weighting=", "foo", "num_samples")),
     Case("server-name-unknown", ("algo.server.name=sgdx",), ("algo.server.name=", "sgdx", "adam")),
     Case("server-lr-zero", ("algo.server.lr=0",), ("algo.server.lr=0", "> 0")),

@@ -223,3 +223,178 @@ def test_sample_batch_deferring_keeps_the_default_stream() -> None:
     run_rounds(deferring, 2)
     for a, b in zip(plain.net.parameters(), deferring.net.parameters()):
         assert torch.equal(a, b)
+
+
+class _Draws(FederatedCallback):
+    """Test part: a fixed cohort every round (repeats allowed)."""
+
+    def __init__(self, cohort: list[int]) -> None:
+        self.cohort = cohort
+
+    def sample_clients(self, fed, round_idx, rng):
+        return self.cohort
+
+
+class _Runs(FederatedCallback):
+    """Records every local run's model, weight, draws and copy index, in training order."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int, int, float, list[torch.Tensor]]] = []
+
+    def on_client_end(self, fed, client) -> None:
+        local = [p.detach().clone() for p in fed.params]
+        self.runs.append((client.cid, client.copy, client.draws, client.weight, local))
+
+
+def _local_sgd(data, cid: int, seed: int, lr: float, steps: int, batch: int) -> list[torch.Tensor]:
+    """A client's local run written out: K minibatch SGD steps from w^0 = linear(float64), the minibatch order a
+    fresh permutation of its rows per pass from a generator seeded with ``seed``."""
+    net = linear(dtype=torch.float64)
+    idx, g, done = data.client_indices[cid], torch.Generator().manual_seed(seed), 0
+    while done < steps:
+        for b in idx[torch.randperm(len(idx), generator=g)].split(batch):
+            if done == steps:
+                break
+            net.zero_grad()
+            F.cross_entropy(net(data.x[b]), data.y[b]).backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= lr * p.grad
+            done += 1
+    return [p.detach() for p in net.parameters()]
+
+
+REPEAT_KW = dict(clients_per_round=3, local_steps=3, batch_size=2, lr=0.3, seed=4)
+
+
+def test_repeat_trains_each_draw_as_an_independent_local_run() -> None:
+    """duplicates=repeat, cohort draws (1, 1, 2), p_i = n_i: client 1 runs twice from w^0, copy 0 seeded with
+    (seed, 0, 1), copy 1 with (seed, 0, 1, 1), each weight n_1 (one draw), so
+
+        w^1 = (n_1 w_1^(0) + n_1 w_1^(1) + n_2 w_2) / (2 n_1 + n_2),
+
+    with every local run written out by hand (float64). The two copies differ (other minibatches)."""
+    data = toy_data([4, 6, 9], dtype=torch.float64)
+    rec = _Runs()
+    net = linear(dtype=torch.float64)
+    fed = make_fed(net, data, parts=[_Draws([1, 2, 1]), rec], duplicates="repeat", **REPEAT_KW)
+    run_rounds(fed, 1)
+    assert fed.rnd.cohort == (1, 2) and fed.rnd.multiplicity == (2, 1) and fed.rnd.shard == (1, 1, 2)
+    assert [(c, j, d, w) for c, j, d, w, _ in rec.runs] == [(1, 0, 1, 6.0), (1, 1, 1, 6.0), (2, 0, 1, 9.0)]
+    s = REPEAT_KW["seed"]
+    w1a, w1b = (_local_sgd(data, 1, seed, 0.3, 3, 2) for seed in (derive_seed(s, 0, 1), derive_seed(s, 0, 1, 1)))
+    w2 = _local_sgd(data, 2, derive_seed(s, 0, 2), 0.3, 3, 2)
+    for k, p in enumerate(net.parameters()):
+        torch.testing.assert_close(rec.runs[0][4][k], w1a[k], rtol=0, atol=1e-12)
+        torch.testing.assert_close(rec.runs[1][4][k], w1b[k], rtol=0, atol=1e-12)
+        expected = (6 * w1a[k] + 6 * w1b[k] + 9 * w2[k]) / (2 * 6 + 9)
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(w1a[0], w1b[0])
+
+
+class _DoubleWeight(FederatedCallback):
+    def on_client_start(self, fed, client) -> None:
+        client.weight *= 2 if client.cid == 1 else 1
+
+
+# the model after 2 rounds of cohort (1, 1, 2), multiplicity, REPEAT_KW, computed by the code before algo.duplicates
+# existed (first 4 entries and the sum, as float.hex): the default path must stay bitwise what it was
+PINNED = ["-0x1.c2dd42712cdc1p-7", "0x1.137b92f72bd53p-2", "-0x1.9e2f0839656dfp-2", "-0x1.62f04d0cfaaa0p-1"]
+PINNED_SUM = "-0x1.83f3b07e00002p-1"
+
+
+def test_multiplicity_is_one_run_with_k_times_the_weight_and_is_the_default() -> None:
+    """duplicates=multiplicity (the default): client 1 drawn twice trains once (copy 0, draws = 2, weight 2 n_1);
+    the model is bitwise the one of the code before the option existed, and equals (to rounding: the pre-divided
+    weights differ) the cohort (1, 2) with client 1's weight doubled by hand."""
+    data = toy_data([4, 6, 9], dtype=torch.float64)
+    rec, nets = _Runs(), {}
+    for name, parts, extra in (
+        ("default", [_Draws([1, 2, 1]), rec], {}),
+        ("explicit", [_Draws([1, 2, 1])], {"duplicates": "multiplicity"}),
+        ("doubled", [_Draws([1, 2]), _DoubleWeight()], {}),
+    ):
+        nets[name] = linear(dtype=torch.float64)
+        run_rounds(make_fed(nets[name], data, parts=parts, **extra, **REPEAT_KW), 2)
+    for a, b, c in zip(*(nets[k].parameters() for k in ("default", "explicit", "doubled"))):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-14)
+    flat = torch.cat([p.detach().flatten() for p in nets["default"].parameters()])
+    assert [float(v).hex() for v in flat[:4]] == PINNED and float(flat.sum()).hex() == PINNED_SUM
+    assert [(c, j, d, w) for c, j, d, w, _ in rec.runs[:2]] == [(1, 0, 2, 12.0), (2, 0, 1, 9.0)]
+
+
+def test_a_client_drawn_once_trains_bitwise_alike_in_both_modes() -> None:
+    """k = 1 keeps the 3-word seed: with distinct cohorts the runs are bitwise equal in both modes (dropout
+    included), and in cohort (1, 1, 2) client 2's run and client 1's copy 0 equal their multiplicity runs."""
+    data = toy_data([20, 20, 20, 20])
+    kw = dict(clients_per_round=3, local_steps=3, batch_size=4, lr=0.1, seed=2)
+    a, b = make_fed(_dropout_net(), data, **kw), make_fed(_dropout_net(), data, duplicates="repeat", **kw)
+    run_rounds(a, 3)
+    run_rounds(b, 3)
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        assert torch.equal(p, q)
+    recs = {mode: _Runs() for mode in ("multiplicity", "repeat")}
+    for mode, rec in recs.items():
+        run_rounds(make_fed(_dropout_net(), data, parts=[_Draws([1, 2, 1]), rec], duplicates=mode, **kw), 1)
+    first = {(c, j): local for c, j, _, _, local in recs["repeat"].runs}
+    for cid, _, _, _, local in recs["multiplicity"].runs:
+        assert all(torch.equal(p, q) for p, q in zip(local, first[(cid, 0)]))
+
+
+def test_repeat_on_two_ranks_equals_one_rank() -> None:
+    """Cohort (0, 0, 0, 1) under repeat: the copies of client 0 spread over both ranks (LPT, numbered in rank
+    order), each copy keeps its seed wherever it runs, so the 2-rank model equals the 1-rank one (allclose 1e-5)."""
+    data = toy_data([10, 10, 10])
+    kw = dict(duplicates="repeat", local_steps=3, batch_size=3, lr=0.2, clients_per_round=4)
+    recs = [_Runs() for _ in range(3)]
+    single = make_fed(_dropout_net(), data, parts=[_Draws([0, 0, 1, 0]), recs[0]], **kw)
+    run_rounds(single, 2)
+    buffers: dict[int, torch.Tensor] = {}
+    ranks = [
+        make_fed(
+            _dropout_net(),
+            data,
+            parts=[_Draws([0, 0, 1, 0]), recs[1 + r]],
+            rank=r,
+            world_size=2,
+            reduce_sum=lambda t: sum(buffers.values()),
+            **kw,
+        )
+        for r in (0, 1)
+    ]
+    for r in range(2):
+        shards = [fed.begin_round(r).shard for fed in ranks]
+        assert shards == [(0, 0), (0, 1)] and all(fed.rnd.slots == 2 for fed in ranks)
+        for k, fed in enumerate(ranks):
+            for cid in shards[k]:
+                fed.train_client(cid)
+            buffers[k] = fed.aggregator._flat.clone()
+        for fed in ranks:
+            fed.end_round()
+    assert [(c, j) for c, j, *_ in recs[1].runs[:2]] == [(0, 0), (0, 1)]
+    assert [(c, j) for c, j, *_ in recs[2].runs[:2]] == [(0, 2), (1, 0)]
+    for fed in ranks:
+        for a, b in zip(fed.net.parameters(), single.net.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+class _Visits(FederatedCallback):
+    def on_client_end(self, fed, client) -> None:
+        client.state["visits"] = client.state.get("visits", torch.zeros(())) + 1
+
+
+def test_repeated_copies_start_from_the_round_start_client_state() -> None:
+    """Per-client state under repeat: every copy loads the state stored before the round (copy 0's update does not
+    leak into copy 1), so a client's runs do not depend on which rank trains which copy."""
+    rec = _Visits()
+    fed = make_fed(
+        linear(),
+        toy_data([4, 6]),
+        parts=[_Draws([0, 0, 1]), rec],
+        duplicates="repeat",
+        clients_per_round=3,
+        local_steps=1,
+    )
+    run_rounds(fed, 2)
+    assert float(fed.store.get(0)["visits"]) == 2 and float(fed.store.get(1)["visits"]) == 2

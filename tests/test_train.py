@@ -83,7 +83,9 @@ def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
 
 def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={out}", "logger=csv"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests")}
+    # this checkout's src first: the child must run the code under test, not another tree's editable install
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -400,6 +402,26 @@ def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
     assert len(lam_json) == 4 and all(abs(sum(row) - 1) < 1e-9 for row in lam_json)
 
 
+def test_drfa_repeat_one_process_equals_two_processes(tmp_path: Path) -> None:
+    """algo.duplicates=repeat under DDP: a cohort holding one client twice puts one copy on each rank (no idle
+    rank); each copy keeps its (seed, round, client, copy) stream wherever it runs, so lambda, the model and the
+    logged max_i f_i equal the 1-process run."""
+    from flx.run import federation_config
+
+    assert federation_config(compose(tmp_path / "cfg", *DRFA, "algo.duplicates=repeat")).duplicates == "repeat"
+    common = [*DRFA, "algo.rounds=4", "algo.duplicates=repeat"]
+    one, _, p1, p2 = _one_and_two_processes(tmp_path, *common, part="LambdaSampling")
+    assert any(len(set(c)) == 1 for c in _drfa_cohorts(one, 4))
+    torch.testing.assert_close(p1["lam"], p2["lam"], rtol=0, atol=1e-6)
+    # ClientLoss on 2 ranks: each computes half the clients, one sum; the logged max_i f_i equals the 1-process one
+    key = "train/client_loss_max"
+    logged = [
+        [float(r[key]) for r in csv.DictReader(open(next((tmp_path / run).rglob("metrics.csv")))) if r.get(key)]
+        for run in ("one", "two")
+    ]
+    assert len(logged[0]) == 4 and np.allclose(logged[0], logged[1], rtol=0, atol=1e-5)
+
+
 def test_drfa_reproduction_script_quick(tmp_path: Path) -> None:
     """scripts/reproduce/drfa.py --quick fills the table for every method and writes both plots."""
     _script("drfa.py", "--quick", "--rounds", "2", "--out", str(tmp_path))
@@ -419,7 +441,7 @@ def test_issue_drfa_commands(tmp_path: Path) -> None:
         assert 0 <= metrics["test/acc"] <= 1
     prox = ["+algo.parts.prox._target_=flx.callbacks.prox.Prox", "+algo.parts.prox.mu=0.1"]
     cfg = compose(tmp_path / "prox", "algo=drfa", *prox, *SMALL, "algo.rounds=2", "logger=none")
-    assert list(cfg.algo.parts) == ["lambda_sampling", "prox"]
+    assert list(cfg.algo.parts) == ["lambda_sampling", "client_loss", "prox"]
     assert 0 <= train(cfg)["test/acc"] <= 1
     _write_tiny_adult(tmp_path / "data" / "adult")
     adult = [

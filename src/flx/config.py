@@ -186,6 +186,8 @@ def _check_algo(cfg: DictConfig) -> None:
     _check(cfg, "algo.server.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
     if cfg.algo.weighting not in ("num_samples", "uniform"):
         raise bad_value("algo.weighting", cfg.algo.weighting, "allowed: num_samples, uniform")
+    if cfg.algo.get("duplicates", "multiplicity") not in DUPLICATES:
+        raise bad_value("algo.duplicates", cfg.algo.duplicates, f"allowed: {', '.join(DUPLICATES)}")
     if cfg.algo.server.name not in ("sgd", "adam"):
         raise bad_value("algo.server.name", cfg.algo.server.name, "allowed: sgd, adam")
     if cfg.algo.clients_per_round > cfg.partition.num_clients:
@@ -329,6 +331,10 @@ def check_output_dir(path: str) -> None:
 
 CLIENT_EVAL = ("holdout", "test_labels", "test_group")
 """What a client's accuracy is measured on (``client_eval``); see ``FederatedDataModule``."""
+MODEL_INITS = ("default", "zeros")
+"""Starting weights (``model.init``); see :mod:`flx.models.init`."""
+DUPLICATES = ("multiplicity", "repeat")
+"""How a client drawn ``k`` times in one cohort trains (``algo.duplicates``); see :class:`flx.federation.Federation`."""
 
 
 def validate(cfg: DictConfig) -> None:
@@ -340,6 +346,9 @@ def validate(cfg: DictConfig) -> None:
         _int(cfg, "num_threads", 1)
     if cfg.get("client_eval", "holdout") not in CLIENT_EVAL:
         raise bad_value("client_eval", cfg.client_eval, f"allowed: {', '.join(CLIENT_EVAL)}")
+    init = OmegaConf.select(cfg, "model.init", default="default")
+    if init not in MODEL_INITS:
+        raise bad_value("model.init", init, f"allowed: {', '.join(MODEL_INITS)}")
     backend = OmegaConf.select(cfg, "state_store.backend")
     if backend not in ("memory", "disk"):
         raise bad_value("state_store.backend", backend, "allowed: memory, disk")

@@ -11,8 +11,9 @@ McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentra
 Every rank holds ONE model instance (the LightningModule's net). For each of its clients it copies the
 global weights in place, runs the local steps and adds the weighted result to a preallocated buffer;
 one all-reduce per round sums the buffers; the server step then runs identically on every rank.
-Randomness is derived from ``(seed, round)`` for sampling and ``(seed, round, client)`` for a client, so
-a run gives the same model on 1 process or on N.
+Randomness is derived from ``(seed, round)`` for sampling and ``(seed, round, client)`` for a client (plus the
+copy index for the second and later runs of a client drawn several times under ``duplicates=repeat``), so a run
+gives the same model on 1 process or on N.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class FederationConfig:
         momentum: local SGD momentum (reset for every client).
         weight_decay: local L2 weight decay.
         weighting: aggregation weight ``p_i``: ``num_samples`` (FedAvg, ``n_i``) or ``uniform``.
+        duplicates: a client drawn ``k`` times in one cohort (samplers with replacement): ``multiplicity`` trains
+            it once with weight ``k p_i``; ``repeat`` runs ``k`` independent local trainings from ``w^t``, each
+            with weight ``p_i`` and its own random stream (copy ``j``: ``derive_seed(seed, t, i, j)`` for
+            ``j >= 1``, copy 0 keeps ``derive_seed(seed, t, i)``), so the mean is over the ``m`` draws.
         seed: the run seed.
         server: server optimizer parameters.
         fault_policy: a client whose loss or update is not finite is ``drop``-ped from the round (counted, warned)
@@ -66,6 +71,7 @@ class FederationConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     weighting: str = "num_samples"
+    duplicates: str = "multiplicity"
     seed: int = 0
     server: ServerOptConfig = field(default_factory=ServerOptConfig)
     fault_policy: str = "drop"
@@ -104,7 +110,7 @@ class RoundContext:
     round: int
     cohort: tuple[int, ...]  # unique client ids, sorted
     multiplicity: tuple[int, ...]  # times each cohort id was drawn
-    shard: tuple[int, ...]  # the ids this rank trains
+    shard: tuple[int, ...]  # the ids this rank trains (an id repeats when duplicates=repeat gives it copies here)
     rank: int
     world_size: int
     slots: int  # clients per rank in the busiest shard: every rank runs this many "batches"
@@ -125,6 +131,8 @@ class ClientContext:
     batch: tuple[Tensor, Tensor] | None = None
     outputs: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    draws: int = 1  # cohort draws this local run stands for (its weight's factor): k (multiplicity) or 1 (repeat)
+    copy: int = 0  # which of the client's k runs this is (duplicates=repeat), 0 otherwise
 
 
 class ClientData:
@@ -159,7 +167,10 @@ def uniform_cohort(num_clients: int, m: int, rng: np.random.Generator) -> list[i
 
 
 def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Longest-processing-time greedy split of clients over ranks by sample count (deterministic)."""
+    """Longest-processing-time greedy split of clients over ranks by sample count (deterministic).
+
+    An id listed ``k`` times (copies of one client) is placed ``k`` times; equal loads spread the copies over ranks.
+    """
     loads, shards = [0] * world_size, [[] for _ in range(world_size)]
     for size, cid in sorted(zip(sizes, cids), key=lambda t: (-t[0], t[1])):
         r = min(range(world_size), key=lambda k: (loads[k], k))
@@ -273,12 +284,14 @@ class Federation:
     def begin_round(self, round_idx: int) -> RoundContext:
         """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
         ids, counts = np.unique(np.asarray(self.sample(round_idx), dtype=np.int64), return_counts=True)
-        cohort = tuple(int(c) for c in ids)
-        # a cohort with fewer distinct clients than ranks (e.g. drawn with replacement) leaves ranks idle: they run
-        # padding slots only and add nothing to the aggregate
-        shards = shard_greedy(cohort, [self.num_samples(c) for c in cohort], self.world_size)
-        mult, slots = tuple(int(c) for c in counts), max(len(s) for s in shards)
+        cohort, mult = tuple(int(c) for c in ids), tuple(int(c) for c in counts)
         self._multiplicity = dict(zip(cohort, mult))
+        # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
+        # padding slots only and add nothing to the aggregate
+        runs = [c for c, k in zip(cohort, mult) for _ in range(k if self.cfg.duplicates == "repeat" else 1)]
+        shards = shard_greedy(runs, [self.num_samples(c) for c in runs], self.world_size)
+        self._assign_copies(shards)
+        slots = max(len(s) for s in shards)
         self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
         with torch.no_grad():
             _copy(self.global_params, [p.detach() for p in self.params])
@@ -293,6 +306,18 @@ class Federation:
         for part in self._hooked["on_round_start"]:
             part.on_round_start(self, self.rnd)
         return self.rnd
+
+    def _assign_copies(self, shards: list[list[int]]) -> None:
+        """Numbers the copies of each client over the ranks in rank order (the same on every rank) and keeps this
+        rank's, in order, for :meth:`make_client`; copies start from the client's state at the round start."""
+        seen: dict[int, int] = {}
+        self._copies: dict[int, list[int]] = {}
+        for rank, shard in enumerate(shards):
+            for cid in shard:
+                j = seen[cid] = seen.get(cid, -1) + 1
+                if rank == self.rank:
+                    self._copies.setdefault(cid, []).append(j)
+        self._start_states = {cid: self.store.get(cid, self.params[0].device) for cid, k in seen.items() if k > 0}
 
     def end_round(self) -> None:
         """One collective reduce, the parts' server hooks, the server optimizer step.
@@ -382,17 +407,26 @@ class Federation:
         return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * multiplicity)
 
     def make_client(self, cid: int) -> ClientContext:
+        """The next local run of ``cid`` on this rank: its weight, seeded streams and stored state."""
         n = self.num_samples(cid)
-        weight = self.base_weight(cid, self._multiplicity[cid])
-        seed = derive_seed(self.cfg.seed, self.rnd.round, cid)
+        repeat = self.cfg.duplicates == "repeat"
+        copy = self._copies[cid].pop(0) if repeat and self._copies.get(cid) else 0
+        draws = 1 if repeat else self._multiplicity[cid]
+        weight = self.base_weight(cid, draws)
+        # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
+        seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ()))
         # dropout & co. depend only on (seed, round, client). Not torch.manual_seed: on CUDA builds it records a
         # stack trace per call for lazy CUDA seeding (~0.5 ms under Lightning's call stack)
         torch.default_generator.manual_seed(seed)
         if self.params[0].is_cuda:
             torch.cuda.manual_seed(seed)
         self._gen.manual_seed(seed)
-        state = self.store.get(cid, self.params[0].device) if cid in self.store else {}
-        return ClientContext(cid, self.rnd, n, self.client_steps(cid), float(weight), self._gen, state)
+        if cid in self._start_states:  # a repeated client: every copy starts from the round-start state
+            state = {k: v.clone() for k, v in self._start_states[cid].items()}
+        else:
+            state = self.store.get(cid, self.params[0].device) if cid in self.store else {}
+        steps = self.client_steps(cid)
+        return ClientContext(cid, self.rnd, n, steps, float(weight), self._gen, state, draws=draws, copy=copy)
 
     @torch.no_grad()
     def load_global(self) -> None:

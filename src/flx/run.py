@@ -27,6 +27,7 @@ from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value
 from flx.federation import Federation, FederationConfig
 from flx.models import heads
+from flx.models.init import init_weights
 from flx.models.module import FederatedModule
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
@@ -61,6 +62,7 @@ def federation_config(cfg: DictConfig) -> FederationConfig:
         momentum=float(a.momentum),
         weight_decay=float(a.weight_decay),
         weighting=a.weighting,
+        duplicates=a.get("duplicates", "multiplicity"),
         seed=cfg.seed,
         server=server,
         fault_policy=cfg.fault.policy,
@@ -108,10 +110,12 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         client_eval=cfg.get("client_eval", "holdout"),
     )
     dm.setup("fit")
-    # model.binary_head is flx's, not the net's: one_logit builds the net with one output column (flx.models.heads)
-    model_cfg = {k: v for k, v in cfg.model.items() if k != "binary_head"}
+    # model.binary_head and model.init are flx's keys, not arguments of the net's constructor: one_logit builds the
+    # net with one output column (flx.models.heads); init sets the starting weights (flx.models.init)
+    net_cfg = {k: v for k, v in cfg.model.items() if k not in ("binary_head", "init")}
     outputs = heads.num_outputs(cfg.model.get("binary_head", "two_logits"), dm.data.num_classes)
-    net = instantiate(model_cfg, input_shape=list(dm.data.input_shape), num_classes=outputs)
+    net = instantiate(net_cfg, input_shape=list(dm.data.input_shape), num_classes=outputs)
+    init_weights(net, cfg.model.get("init", "default"))
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg))

@@ -33,7 +33,7 @@ def _net() -> nn.Module:
     return linear(3, 3, dtype=torch.float64)
 
 
-def _fed(net: nn.Module, parts: list, data: ClientStore, tau: int = 3, m: int = 4, lr: float = 0.3):
+def _fed(net: nn.Module, parts: list, data: ClientStore, tau: int = 3, m: int = 4, lr: float = 0.3, **kw: object):
     # batch_size above every client size: each local step is a full-batch gradient step (order-free)
     return make_fed(
         net,
@@ -45,6 +45,7 @@ def _fed(net: nn.Module, parts: list, data: ClientStore, tau: int = 3, m: int = 
         batch_size=100,
         weighting="uniform",
         seed=SEED,
+        **kw,
     )
 
 
@@ -205,6 +206,39 @@ def test_composes_with_fedprox() -> None:
     _, mean = _snapshot_and_mean(data, [p.detach() for p in _net().parameters()], fed.rnd, tau, lr, mu)
     for p, q in zip(nets["prox"].parameters(), mean):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=1e-12)
+
+
+def test_repeat_gives_each_draw_one_weight_in_both_means() -> None:
+    """duplicates=repeat: a client drawn k times runs k times, each run with one draw's weight in the primal mean
+    and in the snapshot mean w^(t'). Full-batch local steps make the k runs equal, so over rounds whose cohorts
+    repeat clients the model and lambda equal the multiplicity run's (to rounding), and round 0 still matches
+    Algorithm 1 written out (draw-weighted means, v on U, projection)."""
+    data, tau, lr, gamma, m = _data(), 3, 0.3, 0.05, 4
+    parts = {mode: LambdaSampling(gamma=gamma, eval_batch=100) for mode in ("multiplicity", "repeat")}
+    nets = {mode: _net() for mode in parts}
+    w0 = [p.detach().clone() for p in nets["repeat"].parameters()]
+    feds = {mode: _fed(nets[mode], [parts[mode]], data, tau=tau, m=m, lr=lr, duplicates=mode) for mode in parts}
+    shards = []
+    for r in range(4):
+        for fed in feds.values():
+            rnd = fed.begin_round(r)
+            for cid in rnd.shard:
+                fed.train_client(cid)
+            fed.end_round()
+            if r == 0:
+                snap0, mean0 = _snapshot_and_mean(data, w0, rnd, tau, lr)
+                lam0 = parts[fed.cfg.duplicates].lam.clone()
+                for p, q in zip(fed.net.parameters(), mean0):
+                    torch.testing.assert_close(p.detach(), q, rtol=0, atol=1e-12)
+        shards.append(feds["repeat"].rnd.shard)
+        torch.testing.assert_close(parts["repeat"].lam, parts["multiplicity"].lam, rtol=0, atol=1e-12)
+    assert any(len(set(s)) < len(s) == m for s in shards), shards  # some round trained a client twice
+    v = torch.zeros(4, dtype=torch.float64)
+    for cid in _eval_set(0, 4, m):
+        v[cid] = 4 / m * _loss(snap0, data, cid)
+    torch.testing.assert_close(lam0, simplex.project_simplex(0.25 + tau * gamma * v), rtol=0, atol=1e-12)
+    for p, q in zip(nets["repeat"].parameters(), nets["multiplicity"].parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(

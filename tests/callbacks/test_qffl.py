@@ -79,21 +79,24 @@ def _bce(out: Tensor, y: Tensor) -> Tensor:
     return F.binary_cross_entropy_with_logits(out.squeeze(-1), y)
 
 
+@pytest.mark.parametrize("duplicates", ["multiplicity", "repeat"])
 @pytest.mark.parametrize(
     ("q", "lipschitz", "draws"), [(0.5, None, (0, 1, 2)), (2.0, 7.0, (0, 1, 2)), (1.0, None, (0, 2, 2))]
 )
-def test_round_is_algorithm_2(q: float, lipschitz: float | None, draws: tuple[int, ...]) -> None:
+def test_round_is_algorithm_2(q: float, lipschitz: float | None, draws: tuple[int, ...], duplicates: str) -> None:
     """Logistic regression z = x^T w, F_k(w) = mean(log(1 + e^z) - y z), grad = X^T (sigmoid(X w) - y) / n_k.
 
     K full-batch steps w <- w - eta grad from w^t give w_k; then, over the draws (a repeated client counts twice),
     Delta w_k = L (w^t - w_k), Delta_k = F_k^q Delta w_k, h_k = q F_k^(q-1) ||Delta w_k||^2 + L F_k^q and
-    w^{t+1} = w^t - sum Delta_k / sum h_k, with L = 1/eta when lipschitz is None.
+    w^{t+1} = w^t - sum Delta_k / sum h_k, with L = 1/eta when lipschitz is None. Full-batch runs are the same for
+    every copy, so duplicates=repeat (one run per draw, each counted once) must give the same step.
     """
     eta, steps, data = 0.5, 4, _logistic_data()
     net = linear(3, 1, dtype=f64, bias=False)
     wt = params(net)[0].squeeze(0)
     parts = [_Draws(draws), QFFL(q=q, lipschitz=lipschitz)]
-    fed = make_fed(net, data, parts=parts, loss_fn=_bce, clients_per_round=3, local_steps=steps, batch_size=64, lr=eta)
+    kw = dict(clients_per_round=3, local_steps=steps, batch_size=64, lr=eta, duplicates=duplicates)
+    fed = make_fed(net, data, parts=parts, loss_fn=_bce, **kw)
     run_rounds(fed, 1)
 
     L = 1 / eta if lipschitz is None else lipschitz

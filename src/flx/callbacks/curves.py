@@ -23,7 +23,10 @@ TRACKED = (
     "val/auroc",
     "val/pauc_0.3",
     "val/pauc_0.5",
+    "train/client_loss_max",
+    "train/client_loss_mean",
 )
+EVAL_ONLY = ("val/", "train/client_loss_")  # logged on validated rounds only: not recorded (stale) on the others
 
 
 class RoundCurves(pl.Callback):
@@ -43,7 +46,7 @@ class RoundCurves(pl.Callback):
         validated = every is None or rnd % every == 0
         for key in TRACKED:
             fresh = not self.history[key] or self.history[key][-1][0] != rnd
-            if key in metrics and fresh and (validated or not key.startswith("val/")):
+            if key in metrics and fresh and (validated or not key.startswith(EVAL_ONLY)):
                 self.history[key].append((rnd, float(metrics[key])))
 
     @override
@@ -82,7 +85,7 @@ class RoundCurves(pl.Callback):
 
         fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
         for key, points in self.history.items():
-            ax = ax_loss if key.endswith("loss") else ax_acc
+            ax = ax_loss if "loss" in key else ax_acc
             ax.plot(*zip(*points), marker="o", markersize=2.5, label=key)
         for ax, title in ((ax_loss, "loss"), (ax_acc, "global model: accuracy / AUC")):
             ax.set_xlabel("round")

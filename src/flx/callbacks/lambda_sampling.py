@@ -6,7 +6,8 @@ Deng, Kamani, Mahdavi, "Distributionally Robust Federated Averaging", NeurIPS 20
 Round :math:`s` with :math:`\tau` local steps and cohort size :math:`m`:
 
 1. the cohort :math:`D^{(s)}` is :math:`m` i.i.d. draws from Categorical(:math:`\lambda^{(s)}`), with replacement
-   (Alg. 1 line 2; a client drawn twice trains once and counts twice in the unweighted mean);
+   (Alg. 1 line 2; a client drawn twice trains once and counts twice in the unweighted mean, or trains twice under
+   ``algo.duplicates=repeat``: the snapshot weight is the run's own, one draw per copy);
 2. a snapshot step :math:`j` is drawn uniformly from :math:`\{1..\tau\}`, the same for every client (line 3); each
    client keeps its model after :math:`j` local steps and the server averages them into :math:`w^{(t')}` (line 12);
 3. a second set :math:`U` of :math:`m` clients is drawn uniformly without replacement; each evaluates its loss on
