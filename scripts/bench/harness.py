@@ -27,7 +27,7 @@ from workloads import Workload
 from flx.config import precheck
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.models.module import FederatedModule
-from flx.run import build, instantiate
+from flx.run import build, build_net
 
 _OUTPUT_DIR = tempfile.TemporaryDirectory(prefix="flx-bench-")  # paths.output_dir of every run, removed at exit
 
@@ -165,7 +165,7 @@ def run_plain(b: FlxBuild, matched: bool) -> Run:
     """
     device = b.trainer.strategy.root_device
     data = b.dm.data
-    net = instantiate(b.cfg.model, input_shape=list(data.input_shape), num_classes=data.num_classes).to(device)
+    net = build_net(b.cfg.model, data.input_shape, data.num_classes).to(device)
     net.load_state_dict(b.init)
     x, y = data.x_train.to(device), data.y_train.to(device)
     clients: Sequence[Tensor] = [c.to(device) for c in b.dm.client_train]

@@ -74,7 +74,8 @@ def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
     """The run folder (``hydra.run.dir``, else under ``paths.log_dir``) must be creatable: Hydra creates it before
     the run starts, so a read-only or unwritable place is reported here, as one line."""
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
-    key, path = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", str(OmegaConf.select(cfg, "paths.log_dir")))
+    log_dir = str(OmegaConf.select(cfg, "paths.log_dir"))
+    key, path = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", log_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -97,6 +98,17 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     return loop.install(trainer)
 
 
+def build_net(model: DictConfig, input_shape: Sequence[int], num_classes: int) -> torch.nn.Module:
+    """The net of ``model=`` config. ``model.binary_head`` and ``model.init`` are flx's keys, not arguments of the
+    net's constructor: one_logit builds the net with one output column (:mod:`flx.models.heads`); init sets the
+    starting weights (:mod:`flx.models.init`)."""
+    net_cfg = {k: v for k, v in model.items() if k not in ("binary_head", "init")}
+    outputs = heads.num_outputs(model.get("binary_head", "two_logits"), num_classes)
+    net = instantiate(net_cfg, input_shape=list(input_shape), num_classes=outputs)
+    init_weights(net, model.get("init", "default"))
+    return net
+
+
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
     if cfg.get("num_threads"):
@@ -110,12 +122,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         client_eval=cfg.get("client_eval", "holdout"),
     )
     dm.setup("fit")
-    # model.binary_head and model.init are flx's keys, not arguments of the net's constructor: one_logit builds the
-    # net with one output column (flx.models.heads); init sets the starting weights (flx.models.init)
-    net_cfg = {k: v for k, v in cfg.model.items() if k not in ("binary_head", "init")}
-    outputs = heads.num_outputs(cfg.model.get("binary_head", "two_logits"), dm.data.num_classes)
-    net = instantiate(net_cfg, input_shape=list(dm.data.input_shape), num_classes=outputs)
-    init_weights(net, cfg.model.get("init", "default"))
+    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg))

@@ -210,6 +210,8 @@ def test_hydra_config_builds_the_adult_datamodule(tmp_path: Path) -> None:
     """``train.py data=adult partition=by_group partition.num_clients=10 model=logreg`` composes and builds."""
     from hydra.utils import instantiate
 
+    from flx.run import build_net
+
     rows, sex, _ = random_rows(60)
     write_adult(tmp_path, rows, rows[:7])
     cfg = precheck(
@@ -221,7 +223,7 @@ def test_hydra_config_builds_the_adult_datamodule(tmp_path: Path) -> None:
     assert dm.num_clients == 10 and dm.data.groups_test.tolist() == sex[:7].tolist()
     for c, rows_c in enumerate(dm.client_train):
         assert set(sex[rows_c.numpy()].tolist()) == {c // 5}  # clients 0-4 Female only, 5-9 Male only
-    net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
+    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
     assert net(dm.data.x_test).shape == (7, 2)
     with pytest.raises(ConfigError, match=r"data.loader.split_by='gender': must be one of sex, race"):
         cfg = precheck(["data=adult", "data.loader.split_by=gender", f"paths.data_dir={tmp_path}"])

@@ -202,13 +202,15 @@ def test_hydra_config_builds_datamodule_and_gru(tmp_path: Path) -> None:
     """``data=shakespeare partition=by_group model=gru`` composes; the net maps the id batches to 81 logits."""
     from hydra.utils import instantiate
 
+    from flx.run import build_net
+
     write_dataset(tmp_path)
     overrides = ["data=shakespeare", "data.loader.num_users=2", "partition=by_group", "partition.num_clients=2"]
     cfg = precheck([*overrides, "algo.clients_per_round=2", "model=gru", f"paths.data_dir={tmp_path}"])
     dm = FederatedDataModule(instantiate(cfg.data.loader), instantiate(cfg.partition), cfg.seed)
     dm.setup("fit")
     assert dm.num_clients == 2 and [len(c) for c in dm.client_train] == [4, 3]
-    net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
+    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
     assert net(dm.data.x_test).shape == (3, 81)
 
 
