@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flx.errors import ConfigError, bad_value
+from flx.errors import ConfigError, bad_value, not_binary
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
@@ -293,6 +293,14 @@ def _check_ckpt(cfg: DictConfig) -> None:
     check_ckpt(cfg, str(path))
 
 
+def _check_task(cfg: DictConfig) -> None:
+    """An algorithm for binary tasks (``algo.binary_task``) on data whose config says it has other than 2 classes
+    (``data.num_classes``): reported here, before any import or loading; the parts check the loaded labels again."""
+    classes = cfg.data.get("num_classes")
+    if cfg.algo.get("binary_task") and classes is not None and classes != 2:
+        raise not_binary(f"algo={cfg.algo.name}", int(classes))
+
+
 def _check_run(cfg: DictConfig) -> None:
     """Top-level run keys: fault policy, what is tested, and Lightning settings that would contradict the rounds."""
     policy = OmegaConf.select(cfg, "fault.policy")
@@ -356,4 +364,5 @@ def validate(cfg: DictConfig) -> None:
     _check_algo(cfg)
     _check_trainer(cfg)
     _check_run(cfg)
+    _check_task(cfg)
     _check_ckpt(cfg)

@@ -17,3 +17,13 @@ class ConfigError(ValueError):
 def bad_value(key: str, value: Any, allowed: str) -> ConfigError:
     """Builds the standard message ``key=value: allowed``."""
     return ConfigError(f"{key}={value!r}: {allowed}")
+
+
+BINARY_DATA = "data=digits_binary, breast_cancer, cifar10_binary, cifar100_binary, chestmnist or adult"
+
+
+def not_binary(algo: str, classes: int) -> ConfigError:
+    """The one-line error of an AUC / X-risk algorithm given a task of ``classes`` classes."""
+    return ConfigError(
+        f"data: {algo} needs a binary task (labels 0/1), the data has {classes} classes: use {BINARY_DATA}"
+    )

@@ -57,7 +57,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from flx.errors import ConfigError
+from flx.errors import not_binary
 
 PairLoss = Callable[[Tensor, Tensor], Tensor]
 """An elementwise pairwise loss ``ell(a, b)`` on broadcastable score tensors."""
@@ -66,12 +66,7 @@ PairLoss = Callable[[Tensor, Tensor], Tensor]
 def check_binary_labels(y: Tensor, algo: str) -> None:
     """One clear error when an AUC / X-risk algorithm is given labels other than 0/1 (e.g. a 10-class dataset)."""
     if y.numel() and (int(y.min()) < 0 or int(y.max()) > 1):
-        classes = int(torch.unique(y).numel())
-        why = (
-            f"{algo} needs a binary task (labels 0/1), the data has {classes} classes: use data=digits_binary, "
-            "breast_cancer, cifar10_binary, cifar100_binary or chestmnist"
-        )
-        raise ConfigError(f"data: {why}")
+        raise not_binary(algo, int(torch.unique(y).numel()))
 
 
 def _hinge(a: Tensor, b: Tensor, margin: float) -> Tensor:
