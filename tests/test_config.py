@@ -186,8 +186,16 @@ CASES = [
     Case("fault-policy-unknown", ("fault.policy=ignore",), ("fault.policy=", "ignore", "drop, stop")),
     Case("single-row-batch-unknown", ("algo.single_row_batch=maybe",), ("algo.single_row_batch=", "maybe", "auto")),
     Case("test-on-best-without-monitor", ("test_on=best",), ("test_on=", "best", "checkpoint.monitor")),
+    Case("checkpoint-every-rounds-zero", ("checkpoint.every_rounds=0",), ("checkpoint.every_rounds=0", ">= 1")),
+    Case("checkpoint-mode-unknown", ("checkpoint.mode=avg",), ("checkpoint.mode=", "avg", "max, min")),
+    Case("checkpoint-signal-unknown", ("checkpoint.requeue_signal=SIGFOO",), ("checkpoint.requeue_signal=", "SIGFOO")),
+    Case("binary-head-unknown", ("model.binary_head=three",), ("model.binary_head=", "three", "one_logit")),
+    Case("one-logit-on-ten-classes", ("model.binary_head=one_logit",), ("model.binary_head=", "the data has 10")),
     Case(
-        "checkpoint-every-rounds-zero", ("checkpoint.every_rounds=0",), ("checkpoint.every_rounds=0", ">= 1"), slow=True
+        "monitor-not-logged",
+        ("checkpoint.monitor=val/nope", "debug=default"),
+        ("checkpoint.monitor=", "val/nope", "val/acc"),
+        slow=True,
     ),
     # --- data (checked by the loaders inside the run) ---
     Case(

@@ -66,6 +66,31 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert visits_a == visits_c and sum(float(v) for v in visits_a.values()) == 6 * 3
 
 
+def test_checkpoint_schedule_and_best_validation_round(tmp_path: Path) -> None:
+    """every_rounds=3 over 5 rounds writes rounds 3 and 5 (the last); a tiny every_seconds makes every round due;
+    keep_last=2 keeps the two newest; best.ckpt is the round with the highest logged val/acc (first on ties), and
+    test_on=best tests that model."""
+    base = [*SMALL, "logger=csv", "algo.rounds=5", "checkpoint.keep_last=null"]
+    train(compose(tmp_path / "a", *base, "checkpoint.every_rounds=3"))
+    names = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("round_*"))
+    assert names == ["round_00003.ckpt", "round_00005.ckpt"]
+    best = ["checkpoint.every_rounds=null", "checkpoint.every_seconds=1e-9", "checkpoint.monitor=val/acc"]
+    metrics = train(compose(tmp_path / "b", *base, *best, "checkpoint.keep_last=2", "test_on=best"))
+    folder = tmp_path / "b" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("round_*")) == ["round_00004.ckpt", "round_00005.ckpt"]
+    rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("val/acc")]
+    accs = [float(r["val/acc"]) for r in rows]
+    saved = torch.load(folder / "best.ckpt", map_location="cpu", weights_only=True)
+    assert saved["flx"]["round"] == accs.index(max(accs)) + 1
+    state = saved["callbacks"][next(k for k in saved["callbacks"] if "RoundCheckpoint" in k)]
+    assert state["best_score"] == pytest.approx(max(accs), abs=1e-7)
+    dm, module, _ = build(compose(tmp_path / "c", *base))
+    module.load_state_dict(saved["state_dict"])
+    with torch.no_grad():
+        acc = (module.net(dm.data.x_test).argmax(-1) == dm.data.y_test).float().mean()
+    assert metrics["test/acc"] == pytest.approx(float(acc), abs=1e-6)
+
+
 def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
     """Checkpoints are written at every round boundary; resuming from round 3's equals the 6-round run."""
     base = [*SMALL, "logger=none", COUNTER, "algo.rounds=6", "checkpoint.keep_last=null"]

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value, not_binary
+from flx.models.head_spec import num_outputs
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
@@ -299,6 +300,28 @@ def _check_task(cfg: DictConfig) -> None:
     classes = cfg.data.get("num_classes")
     if cfg.algo.get("binary_task") and classes is not None and classes != 2:
         raise not_binary(f"algo={cfg.algo.name}", int(classes))
+    head = cfg.model.get("binary_head", "two_logits")
+    num_outputs(head, 2 if classes is None else int(classes))  # a bad head; one_logit on a multi-class task
+
+
+def check_checkpoint(
+    every_rounds: Any, every_seconds: Any, keep_last: Any, mode: Any, requeue: Any, requeue_signal: Any
+) -> None:
+    """The ``checkpoint.*`` values (:class:`flx.callbacks.checkpoint.RoundCheckpoint`); one line per bad value."""
+    import signal
+
+    for key, value in (("every_rounds", every_rounds), ("keep_last", keep_last)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad_value(f"checkpoint.{key}", value, "must be an integer >= 1 or null")
+    ok = isinstance(every_seconds, (int, float)) and not isinstance(every_seconds, bool) and every_seconds > 0
+    if every_seconds is not None and not ok:
+        raise bad_value("checkpoint.every_seconds", every_seconds, "must be a number > 0 or null")
+    if mode not in ("max", "min"):
+        raise bad_value("checkpoint.mode", mode, "allowed: max, min")
+    if str(requeue).lower() not in ("auto", "true", "false"):
+        raise bad_value("checkpoint.requeue", requeue, "allowed: auto, true, false")
+    if not str(requeue_signal).startswith("SIG") or not hasattr(signal, str(requeue_signal)):
+        raise bad_value("checkpoint.requeue_signal", requeue_signal, "must name a signal, e.g. SIGUSR1")
 
 
 def _check_run(cfg: DictConfig) -> None:
@@ -309,6 +332,11 @@ def _check_run(cfg: DictConfig) -> None:
     single = cfg.algo.get("single_row_batch", "auto")
     if single not in ("auto", "drop", "keep"):
         raise bad_value("algo.single_row_batch", single, "allowed: auto, drop, keep")
+    ck = cfg.get("checkpoint")
+    if ck is not None:
+        keys = ("every_rounds", "every_seconds", "keep_last", "mode", "requeue", "requeue_signal")
+        defaults = (1, None, 2, "max", "auto", "SIGUSR1")
+        check_checkpoint(*(ck.get(k, d) for k, d in zip(keys, defaults)))
     if cfg.get("test_on", "final") not in ("final", "best"):
         raise bad_value("test_on", cfg.test_on, "allowed: final, best")
     if cfg.get("test_on") == "best" and OmegaConf.select(cfg, "checkpoint.monitor") is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,11 @@ from flx.state import ClientStateStore
 warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimizers` returned `None`.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
+# Lightning's info lines ("GPU available: ...") go to stdout: stderr carries flx's warnings and one-line errors only
+for _name in ("lightning.pytorch", "lightning.fabric"):
+    for _handler in logging.getLogger(_name).handlers:
+        if isinstance(_handler, logging.StreamHandler) and _handler.stream is sys.stderr:
+            _handler.setStream(sys.stdout)
 
 
 def instantiate(cfg: Any, **kwargs: Any) -> Any:

@@ -32,7 +32,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
 from flx.checkpoint_io import atomic_link
-from flx.errors import ConfigError, bad_value
+from flx.config import check_checkpoint
+from flx.errors import ConfigError
 
 log = logging.getLogger(__name__)
 LAST, BEST = "last.ckpt", "best.ckpt"
@@ -74,17 +75,7 @@ class RoundCheckpoint(Checkpoint):
         requeue: str | bool = "auto",
         requeue_signal: str = "SIGUSR1",
     ) -> None:
-        for key, value in (("every_rounds", every_rounds), ("keep_last", keep_last)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise bad_value(f"checkpoint.{key}", value, "must be an integer >= 1 or null")
-        if every_seconds is not None and not (isinstance(every_seconds, (int, float)) and every_seconds > 0):
-            raise bad_value("checkpoint.every_seconds", every_seconds, "must be a number > 0 or null")
-        if mode not in ("max", "min"):
-            raise bad_value("checkpoint.mode", mode, "allowed: max, min")
-        if str(requeue).lower() not in ("auto", "true", "false"):
-            raise bad_value("checkpoint.requeue", requeue, "allowed: auto, true, false")
-        if not hasattr(signal, str(requeue_signal)):
-            raise bad_value("checkpoint.requeue_signal", requeue_signal, "must name a signal, e.g. SIGUSR1")
+        check_checkpoint(every_rounds, every_seconds, keep_last, mode, requeue, requeue_signal)
         self.dirpath, self.every_rounds, self.every_seconds = str(dirpath), every_rounds, every_seconds
         self.keep_last, self.monitor, self.mode = keep_last, monitor, mode
         self.requeue = slurm_job_id() is not None if str(requeue).lower() == "auto" else str(requeue).lower() == "true"

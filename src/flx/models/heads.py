@@ -19,24 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flx.errors import bad_value
+from flx.models.head_spec import HEADS, num_outputs
 
-HEADS = ("two_logits", "one_logit")
-
-
-def num_outputs(head: str, num_classes: int) -> int:
-    """Output columns of the net for ``model.binary_head=head`` on a task with ``num_classes`` classes.
-
-    Raises:
-        ConfigError: for an unknown head, or ``one_logit`` on a task that is not binary.
-    """
-    if head not in HEADS:
-        raise bad_value("model.binary_head", head, f"allowed: {', '.join(HEADS)}")
-    if head == "one_logit" and num_classes != 2:
-        raise bad_value(
-            "model.binary_head", head, f"one_logit needs a binary task (2 classes), the data has {num_classes}"
-        )
-    return 1 if head == "one_logit" else num_classes
+__all__ = ["HEADS", "num_outputs", "binary_margin"]
 
 
 def binary_margin(outputs: Tensor) -> Tensor:
