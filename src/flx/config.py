@@ -327,11 +327,11 @@ def check_checkpoint(
 def _check_run(cfg: DictConfig) -> None:
     """Top-level run keys: fault policy, what is tested, and Lightning settings that would contradict the rounds."""
     policy = OmegaConf.select(cfg, "fault.policy")
-    if policy not in ("drop", "stop"):
-        raise bad_value("fault.policy", policy, "allowed: drop, stop")
+    if policy not in FAULT_POLICIES:
+        raise bad_value("fault.policy", policy, f"allowed: {', '.join(FAULT_POLICIES)}")
     single = cfg.algo.get("single_row_batch", "auto")
-    if single not in ("auto", "drop", "keep"):
-        raise bad_value("algo.single_row_batch", single, "allowed: auto, drop, keep")
+    if single not in SINGLE_ROW_BATCH:
+        raise bad_value("algo.single_row_batch", single, f"allowed: {', '.join(SINGLE_ROW_BATCH)}")
     ck = cfg.get("checkpoint")
     if ck is not None:
         keys = ("every_rounds", "every_seconds", "keep_last", "mode", "requeue", "requeue_signal")
@@ -370,6 +370,10 @@ CLIENT_EVAL = ("holdout", "test_labels", "test_group")
 """What a client's accuracy is measured on (``client_eval``); see ``FederatedDataModule``."""
 MODEL_INITS = ("default", "zeros")
 """Starting weights (``model.init``); see :mod:`flx.models.init`."""
+FAULT_POLICIES = ("drop", "stop")
+"""What a client with a non-finite loss or update does to the round (``fault.policy``); see docs/round_protocol.md."""
+SINGLE_ROW_BATCH = ("auto", "drop", "keep")
+"""Local minibatches of one row (``algo.single_row_batch``); see :func:`flx.federation.local_batches`."""
 DUPLICATES = ("multiplicity", "repeat")
 """How a client drawn ``k`` times in one cohort trains (``algo.duplicates``); see :class:`flx.federation.Federation`."""
 

@@ -78,10 +78,6 @@ class FederationConfig:
     single_row_batch: str = "auto"
 
 
-FAULT_POLICIES = ("drop", "stop")
-SINGLE_ROW_BATCH = ("auto", "drop", "keep")
-
-
 class RunFailure(RuntimeError):
     """A run that cannot go on: reported as one line and a non-zero exit (``train.py``), never as a result."""
 
@@ -453,9 +449,13 @@ class Federation:
         for part in self._hooked["on_client_start"]:
             part.on_client_start(self, client)
         total = self._local_steps(client)
+        # checked before on_client_end too, so parts do not record a faulty client's statistics (scores, losses)
+        if not (torch.isfinite(total) and all_finite(self.local_state)):
+            self._leave_out(cid, "dropped")
+            return None
         for part in self._hooked["on_client_end"]:
             part.on_client_end(self, client)
-        if not (torch.isfinite(total) and all_finite(self.local_state)):
+        if not all_finite(self.local_state):  # made non-finite by a part's upload transform
             self._leave_out(cid, "dropped")
             return None
         self.aggregator.update(self.local_state, client.weight * self._weight_scale)
