@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
 from flx.callbacks.base import FederatedCallback
-from flx.config import validate
+from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError
 from flx.federation import Federation, FederationConfig
@@ -88,10 +88,12 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = FederatedDataModule(
         instantiate(cfg.data.loader),
-        instantiate(cfg.partition),
+        instantiate(cfg.partition),  # its seed is partition.seed; cfg.seed only if that is null
         cfg.seed,
         cfg.data.eval_batch_size,
         client_eval=cfg.get("client_eval", "holdout"),
+        protocol=data_protocol(cfg),
+        eval_test=bool(cfg.get("eval_test", False)),
     )
     dm.setup("fit")
     net = instantiate(cfg.model, input_shape=list(dm.data.input_shape), num_classes=dm.data.num_classes)
@@ -105,8 +107,9 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     return dm, module, build_trainer(cfg, parts)
 
 
-def save_config(cfg: DictConfig) -> None:
-    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up."""
+def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
+    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up, and the
+    exact data split and partition next to them (``data_split.json``, ``partition.json``; see ``dm.save``)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized() or os.environ.get("LOCAL_RANK", "0") != "0":
@@ -115,12 +118,14 @@ def save_config(cfg: DictConfig) -> None:
     os.makedirs(folder, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
     OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, "overrides.yaml"))
+    if dm is not None:
+        dm.save(folder)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints ``final test_acc=<value>``."""
     dm, module, trainer = build(cfg)
-    save_config(cfg)
+    save_config(cfg, dm)
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"))
     results = trainer.test(module, datamodule=dm, verbose=False)
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}

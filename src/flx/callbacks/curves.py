@@ -23,6 +23,15 @@ TRACKED = (
     "val/auroc",
     "val/pauc_0.3",
     "val/pauc_0.5",
+    # the test split per round, with eval_test=true
+    "test/loss",
+    "test/acc",
+    "test/client_acc_mean",
+    "test/client_acc_worst",
+    "test/client_acc_std",
+    "test/auroc",
+    "test/pauc_0.3",
+    "test/pauc_0.5",
 )
 
 
@@ -43,7 +52,7 @@ class RoundCurves(pl.Callback):
         validated = every is None or rnd % every == 0
         for key in TRACKED:
             fresh = not self.history[key] or self.history[key][-1][0] != rnd
-            if key in metrics and fresh and (validated or not key.startswith("val/")):
+            if key in metrics and fresh and (validated or key.startswith(("train/", "fl/"))):
                 self.history[key].append((rnd, float(metrics[key])))
 
     @override
