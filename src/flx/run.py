@@ -31,6 +31,8 @@ from flx.state import ClientStateStore
 # the pytree notice is Lightning's own deprecation, not the user's
 warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimizers` returned `None`.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+# data.val_fraction=0 means no validation loader: the skipped validation loop is intended
+warnings.filterwarnings("ignore", message=r".*Total length of `list` across ranks is zero.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
 
 
