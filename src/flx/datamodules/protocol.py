@@ -93,30 +93,53 @@ def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
 
 def select(data: TensorData, rows: dict[str, np.ndarray]) -> TensorData:
     """The data with splits made of the given pool ids (``TensorData.rows`` records them)."""
-
-    def pool(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-        return None if a is None or b is None else torch.cat([a, b])
-
-    x, y, g = (
-        pool(data.x_train, data.x_test),
-        pool(data.y_train, data.y_test),
-        pool(data.groups_train, data.groups_test),
-    )
+    n = len(data.y_train)
     ids = {k: torch.as_tensor(rows.get(k, np.empty(0, np.int64)), dtype=torch.long) for k in SPLITS}
-    take = {k: (x[i], y[i], None if g is None else g[i]) for k, i in ids.items()}
+
+    def take(train: Tensor | None, test: Tensor | None, i: Tensor) -> Tensor | None:
+        if train is None or test is None:
+            return None
+        if not len(i) or i.max() < n:  # one source split: no pooled copy (CIFAR-size inputs)
+            return train[i]
+        return test[i - n] if i.min() >= n else torch.cat([train, test])[i]
+
+    split = {
+        k: [
+            take(a, b, i)
+            for a, b in (
+                (data.x_train, data.x_test),
+                (data.y_train, data.y_test),
+                (data.groups_train, data.groups_test),
+            )
+        ]
+        for k, i in ids.items()
+    }
     return replace(
         data,
-        x_train=take["train"][0],
-        y_train=take["train"][1],
-        groups_train=take["train"][2],
-        x_val=take["val"][0],
-        y_val=take["val"][1],
-        groups_val=take["val"][2],
-        x_test=take["test"][0],
-        y_test=take["test"][1],
-        groups_test=take["test"][2],
+        x_train=split["train"][0],
+        y_train=split["train"][1],
+        groups_train=split["train"][2],
+        x_val=split["val"][0],
+        y_val=split["val"][1],
+        groups_val=split["val"][2],
+        x_test=split["test"][0],
+        y_test=split["test"][1],
+        groups_test=split["test"][2],
         rows={k: i.numpy() for k, i in ids.items()},
     )
+
+
+def channel_stats(x: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """Mean and population std of ``x`` per channel (dim 1; per feature for ``(N, D)``), float64, shaped to broadcast
+    against ``x``; accumulated in float64 over row chunks, so no float64 copy of the whole split. Zero std -> 1."""
+    dims = (0, *range(2, x.ndim))
+    total = sum((c.double().sum(dim=dims, keepdim=True) for c in x.split(chunk)), torch.zeros(()))
+    count = x.numel() / x.shape[1]
+    mean = total / count
+    sq = sum((((c.double() - mean) ** 2).sum(dim=dims, keepdim=True) for c in x.split(chunk)), torch.zeros(()))
+    std = (sq / count).sqrt()
+    std[std == 0] = 1.0
+    return mean, std
 
 
 def standardized(data: TensorData) -> TensorData:
@@ -124,13 +147,10 @@ def standardized(data: TensorData) -> TensorData:
     inputs, per feature for ``(N, D)``; a zero std counts as 1. Integer inputs (token ids) are left as they are."""
     if not data.x_train.is_floating_point():
         return data
-    dims = (0, *range(2, data.x_train.ndim))
-    x64 = data.x_train.double()
-    mean, std = x64.mean(dim=dims, keepdim=True), x64.std(dim=dims, correction=0, keepdim=True)
-    std[std == 0] = 1.0
+    mean, std = (s.float() for s in channel_stats(data.x_train))
 
     def z(x: Tensor | None) -> Tensor | None:
-        return None if x is None else ((x.double() - mean) / std).float()
+        return None if x is None else (x - mean).div_(std)
 
     return replace(data, x_train=z(data.x_train), x_val=z(data.x_val), x_test=z(data.x_test))
 
