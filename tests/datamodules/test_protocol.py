@@ -227,6 +227,9 @@ def test_split_file_over_the_whole_dataset_in_its_own_order(tmp_path: Path) -> N
     dm = _dm(0.0, IID(num_clients=4), functools.partial(digits, test_size=None), split_file=str(tmp_path / "s.json"))
     assert torch.equal(dm.data.y_train, y[:1000]) and torch.equal(dm.data.y_val, y[1000:1200])
     assert torch.equal(dm.data.y_test, y[1200:])
+    raises_one_line(
+        _dm, 0.0, IID(num_clients=4), functools.partial(digits, test_size=None), match="data.test_fraction=None"
+    )
 
 
 @pytest.mark.parametrize(

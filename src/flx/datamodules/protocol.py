@@ -86,6 +86,10 @@ def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
         rng = np.random.default_rng(protocol.split_seed)
         val = stratified_holdout(data.y_train.numpy(), protocol.val_fraction, rng)
         rows = {"train": np.setdiff1d(np.arange(n), val), "val": val, "test": np.arange(n, n + m)}
+    if not len(rows["test"]) and protocol.split_file is None:  # data.test_fraction=null and no file
+        raise bad_value(
+            "data.test_fraction", None, "no test split: set a fraction, or list the test rows in data.split_file"
+        )
     if not len(rows["test"]):
         raise bad_value("data.split_file", protocol.split_file, "no test rows: list them under 'test'")
     return select(data, rows)
