@@ -147,20 +147,26 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
 
 
 def test_per_client_summary_matches_manual_evaluation(tmp_path: Path) -> None:
-    """val/client_acc_{mean,worst,std} equal the summary of per-client accuracies recomputed by hand."""
+    """test/client_acc_{mean,worst,std} equal the summary of per-client accuracies on each client's held-out rows
+    recomputed by hand, and val/client_acc_* the same on the validation rows of each client's labels."""
     cfg = compose(tmp_path, *SMALL, "partition.test_fraction=0.3", "logger=csv", "algo.rounds=2")
     dm, module, trainer = build(cfg)
     trainer.fit(module, datamodule=dm)
+    val_logged = dict(trainer.callback_metrics)
+    trainer.test(module, datamodule=dm, verbose=False)
     logged = trainer.callback_metrics
+    d = dm.data
     with torch.no_grad():
-        accs = []
-        for idx in dm.client_test:
-            pred = module.net(dm.data.x_train[idx]).argmax(-1)
-            accs.append((pred == dm.data.y_train[idx]).float().mean())
-    accs = torch.stack(accs)
-    torch.testing.assert_close(logged["val/client_acc_mean"], accs.mean(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(logged["val/client_acc_worst"], accs.min(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(logged["val/client_acc_std"], accs.std(unbiased=False), rtol=0, atol=1e-6)
+        accs, val_accs = [], []
+        for idx, own in zip(dm.client_test, dm.client_train):
+            pred = module.net(d.x_train[idx]).argmax(-1)
+            accs.append((pred == d.y_train[idx]).float().mean())
+            rows = torch.isin(d.y_val, d.y_train[own].unique())
+            val_accs.append((module.net(d.x_val[rows]).argmax(-1) == d.y_val[rows]).float().mean())
+    for split, acc, got in (("test", torch.stack(accs), logged), ("val", torch.stack(val_accs), val_logged)):
+        torch.testing.assert_close(got[f"{split}/client_acc_mean"], acc.mean(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[f"{split}/client_acc_worst"], acc.min(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[f"{split}/client_acc_std"], acc.std(unbiased=False), rtol=0, atol=1e-6)
     header = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
     assert "val/client_acc_worst" in header and "val/acc" in header and "fl/round" in header
 

@@ -63,7 +63,8 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
         raise ConfigError(f"bad command line: {where}{one_line(e)}") from None
     try:
         validate(cfg)
-    except OmegaConfBaseException as e:  # e.g. a broken interpolation in a value that validate reads
+        _check_partition(cfg)
+    except OmegaConfBaseException as e:  # e.g. a broken interpolation, or partition.path=??? left unset
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {one_line(e)}") from None
     _check_added_keys(user, cfg, config_dir)
     _check_partition(cfg)
@@ -116,17 +117,30 @@ def _check_added_keys(overrides: Sequence[str], cfg: DictConfig, config_dir: str
         raise ConfigError(f"+{key}={value}: nothing reads {key}, so it would be ignored{hint}")
 
 
+def data_protocol(cfg: DictConfig) -> Any:
+    """The :class:`~flx.datamodules.protocol.DataProtocol` of ``data.*`` (defaults where a data config lacks a key)."""
+    from flx.datamodules.protocol import DataProtocol
+
+    d = cfg.data
+    return DataProtocol(
+        d.get("val_fraction", 0.0), d.get("split_seed", 0), d.get("split_file"), d.get("standardize", True)
+    )
+
+
 def _check_partition(cfg: DictConfig) -> None:
     """Builds the partitioner (cheap, no data) so that its parameter checks run before the run starts."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
-        instantiate(cfg.partition)
+        part = instantiate(cfg.partition)
     except InstantiationException as e:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         raise ConfigError(f"partition: {one_line(e)}") from None
+    if cfg.algo.clients_per_round > part.num_clients:  # partition=from_file: the count comes from the file
+        why = f"must be <= the number of clients ({part.num_clients})"
+        raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, why)
 
 
 _NOISE = ("full_key:", "object_type=", "Set the environment variable HYDRA_FULL_ERROR")
@@ -171,13 +185,7 @@ def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    for key in (
-        "algo.rounds",
-        "algo.clients_per_round",
-        "algo.local_steps",
-        "algo.batch_size",
-        "partition.num_clients",
-    ):
+    for key in ("algo.rounds", "algo.clients_per_round", "algo.local_steps", "algo.batch_size"):
         _int(cfg, key, 1)
     if cfg.algo.get("local_epochs") is not None:
         _int(cfg, "algo.local_epochs", 1)
@@ -192,6 +200,9 @@ def _check_algo(cfg: DictConfig) -> None:
         raise bad_value("algo.duplicates", cfg.algo.duplicates, f"allowed: {', '.join(DUPLICATES)}")
     if cfg.algo.server.name not in ("sgd", "adam"):
         raise bad_value("algo.server.name", cfg.algo.server.name, "allowed: sgd, adam")
+    if cfg.partition.get("num_clients") is None and "path" in cfg.partition.keys():
+        return  # partition=from_file takes the count from its file: checked when the partitioner is built
+    _int(cfg, "partition.num_clients", 1)
     if cfg.algo.clients_per_round > cfg.partition.num_clients:
         raise bad_value(
             "algo.clients_per_round",
@@ -393,8 +404,24 @@ def validate(cfg: DictConfig) -> None:
     backend = OmegaConf.select(cfg, "state_store.backend")
     if backend not in ("memory", "disk"):
         raise bad_value("state_store.backend", backend, "allowed: memory, disk")
+    _check_data(cfg)
     _check_algo(cfg)
     _check_trainer(cfg)
     _check_run(cfg)
     _check_task(cfg)
     _check_ckpt(cfg)
+
+
+def _check_data(cfg: DictConfig) -> None:
+    """The ``data.*`` protocol keys, ``partition.seed`` and ``eval_test`` (no torch import: the pre-run check)."""
+    if cfg.data.get("val_fraction") is not None:
+        _check(cfg, "data.val_fraction", lambda v: 0 <= v < 1, "must be in [0, 1) (0: no validation split)")
+    for key in ("data.split_seed", "partition.seed"):
+        if OmegaConf.select(cfg, key) is not None:
+            _int(cfg, key, 0)
+    for key in ("data.standardize", "eval_test"):
+        if not isinstance(OmegaConf.select(cfg, key, default=False), bool):
+            raise bad_value(key, OmegaConf.select(cfg, key), "must be true or false")
+    split_file = cfg.data.get("split_file")
+    if split_file is not None and not os.path.isfile(str(split_file)):
+        raise bad_value("data.split_file", split_file, f"file not found (looked at {os.path.abspath(str(split_file))})")

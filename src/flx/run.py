@@ -24,7 +24,7 @@ from flx import loop
 from flx.callbacks.base import FederatedCallback
 from flx.callbacks.checkpoint import LAST, slurm_job_id
 from flx.checkpoint_io import AtomicCheckpointIO
-from flx.config import check_ckpt, fingerprint, validate
+from flx.config import check_ckpt, data_protocol, fingerprint, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value
 from flx.federation import Federation, FederationConfig
@@ -38,6 +38,8 @@ from flx.state import ClientStateStore
 # the pytree notice is Lightning's own deprecation, not the user's
 warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimizers` returned `None`.*")
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+# data.val_fraction=0 means no validation loader: the skipped validation loop is intended
+warnings.filterwarnings("ignore", message=r".*Total length of `list` across ranks is zero.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
 # Lightning's info lines ("GPU available: ...") go to stdout: stderr carries flx's warnings and one-line errors only
 for _name in ("lightning.pytorch", "lightning.fabric"):
@@ -122,10 +124,12 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = FederatedDataModule(
         instantiate(cfg.data.loader),
-        instantiate(cfg.partition),
+        instantiate(cfg.partition),  # its seed is partition.seed; cfg.seed only if that is null
         cfg.seed,
         cfg.data.eval_batch_size,
         client_eval=cfg.get("client_eval", "holdout"),
+        protocol=data_protocol(cfg),
+        eval_test=bool(cfg.get("eval_test", False)),
     )
     dm.setup("fit")
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
@@ -139,11 +143,12 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     return dm, module, build_trainer(cfg, parts)
 
 
-def save_config(cfg: DictConfig) -> None:
-    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up.
+def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
+    """Writes ``<output_dir>/.hydra/config.yaml`` (and the command-line overrides) once the run is set up, and the
+    exact data split and partition next to them (``data_split.json``, ``partition.json``; see ``dm.save``).
 
-    A run resumed into the folder of an earlier one keeps the earlier files: its own go to ``config.<k>.yaml`` /
-    ``overrides.<k>.yaml`` with the first free ``k``.
+    A run resumed into the folder of an earlier one keeps the earlier config: its own goes to ``config.<k>.yaml`` /
+    ``overrides.<k>.yaml`` with the first free ``k`` (the split and partition are the same: the fingerprint says so).
     """
     from hydra.core.hydra_config import HydraConfig
 
@@ -156,6 +161,8 @@ def save_config(cfg: DictConfig) -> None:
         k, suffix = k + 1, f".{k + 1}"
     OmegaConf.save(cfg, os.path.join(folder, f"config{suffix}.yaml"))
     OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, f"overrides{suffix}.yaml"))
+    if dm is not None:
+        dm.save(folder)
 
 
 def resume_path(cfg: DictConfig) -> str | None:
@@ -186,7 +193,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints ``final test_acc=<value>``."""
     ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
-    save_config(cfg)
+    save_config(cfg, dm)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     if getattr(trainer.checkpoint_callback, "requeued", False):
         print(

@@ -182,7 +182,7 @@ def test_by_group_gives_each_group_contiguous_chunks(tmp_path: Path, split_by: s
     dm = FederatedDataModule(lambda: adult(root=str(tmp_path), split_by=split_by), ByGroup(num_clients=10))
     dm.setup("fit")
     groups = sex if split_by == "sex" else race
-    assert dm.num_clients == 10 and not dm.has_client_test
+    assert dm.num_clients == 10 and not dm.has_client_rows("test")
     everything = torch.cat(dm.client_train).sort().values
     assert torch.equal(everything, torch.arange(83))  # every train sample in exactly one client
     for g in range(len(GROUPS[split_by])):
@@ -238,6 +238,7 @@ def test_train_runs_end_to_end_with_the_paper_mlp(tmp_path: Path) -> None:
     rows, _, race = random_rows(80)
     write_adult(tmp_path / "data", rows, rows[:20])
     overrides = ["data=adult", "data.loader.split_by=race", "partition=by_group", "partition.num_clients=10"]
+    overrides += ["data.val_fraction=0"]  # the DRFA protocol: every training row in a client (race[] indexes them)
     overrides += ["model=mlp", "model.hidden=[50,50]", "algo.rounds=2", "algo.local_steps=2", "logger=none"]
     overrides += ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
     overrides += [f"paths.data_dir={tmp_path / 'data'}", f"paths.output_dir={tmp_path / 'out'}"]

@@ -13,8 +13,8 @@ from flx.datamodules.store import TensorData
 
 
 def _eval_rows(dm: FederatedDataModule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, y, owner) of the per-client evaluation loader, all batches concatenated."""
-    batches = list(dm.val_dataloader()[1])
+    """(x, y, owner) of the per-client loader of the test split, all batches concatenated."""
+    batches = list(dm.test_dataloader()[1])
     return tuple(torch.cat([b[i] for b in batches]) for i in range(3))
 
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import (
     IID,
     PARTITIONERS,
     ByGroup,
     ClientSplit,
     Dirichlet,
+    FromFile,
     OneClass,
     Partitioner,
     QuantitySkew,
@@ -55,6 +58,11 @@ CASE_IDS = [f"{name}-" + "-".join(f"{k}={v}" for k, v in kwargs.items()) for nam
 
 
 def build(name: str, **kwargs: Any) -> Partitioner:
+    """The partitioner ``name``; ``from_file`` reads a file holding the IID partition of ``LABELS``."""
+    if name == "from_file":
+        path = Path(tempfile.mkdtemp()) / "partition.json"
+        save_partition(path, IID(kwargs["num_clients"])(LABELS, seed=0))
+        return FromFile(str(path), **kwargs)
     return PARTITIONERS[name](**kwargs)
 
 

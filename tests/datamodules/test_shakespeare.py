@@ -194,7 +194,7 @@ def test_one_client_per_user_and_token_ids_stay_int64(tmp_path: Path) -> None:
     assert [c.tolist() for c in dm.client_train] == [[0, 1, 2, 3], [4, 5, 6], [7, 8]]
     store = dm.clients.to(torch.device("cpu"), torch.float64)  # the net's dtype: must not touch token ids
     assert store.x.dtype == torch.int64 and torch.equal(store.x, dm.data.x_train)
-    x_test = dm.val_dataloader()[0].tensors[0]
+    x_test = dm.test_dataloader()[0].tensors[0]
     assert x_test.dtype == torch.int64
 
 

@@ -25,8 +25,21 @@ TRACKED = (
     "val/pauc_0.5",
     "train/client_loss_max",
     "train/client_loss_mean",
+    # the test split per round, with eval_test=true
+    "test/loss",
+    "test/acc",
+    "test/client_acc_mean",
+    "test/client_acc_worst",
+    "test/client_acc_std",
+    "test/auroc",
+    "test/pauc_0.3",
+    "test/pauc_0.5",
 )
-EVAL_ONLY = ("val/", "train/client_loss_")  # logged on validated rounds only: not recorded (stale) on the others
+EVAL_ONLY = (
+    "val/",
+    "test/",
+    "train/client_loss_",
+)  # logged on validated rounds only: not recorded (stale) on the others
 
 
 class RoundCurves(pl.Callback):

@@ -128,8 +128,9 @@ def _codes(train: list[str], other: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return tuple(np.array([index.get(v, len(index)) for v in col], dtype=np.float64) for col in (train, other))
 
 
-def _features(train: _Table, test: _Table) -> tuple[np.ndarray, np.ndarray]:
-    """The ``(N, 14)`` float32 train and test features, standardised with the train statistics."""
+def _features(train: _Table, test: _Table, standardize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(N, 14)`` float32 train and test features, standardised with the train statistics (``standardize``)
+    or raw (numbers as they are, categories as codes; a missing number is still the train mean)."""
     pairs = [
         (train.numbers(j), test.numbers(j)) if name in NUMERIC else _codes(train.column(j), test.column(j))
         for j, name in enumerate(FEATURES)
@@ -137,17 +138,20 @@ def _features(train: _Table, test: _Table) -> tuple[np.ndarray, np.ndarray]:
     x_train, x_test = (np.stack([pair[k] for pair in pairs], axis=1) for k in (0, 1))
     mean, std = np.nanmean(x_train, axis=0), np.nanstd(x_train, axis=0)
     std[~(std > 0)] = 1.0
+    if not standardize:
+        return tuple(np.where(np.isnan(x), mean, x).astype(np.float32) for x in (x_train, x_test))
     # a missing number (NaN) becomes the train mean, i.e. 0 after standardising
     return tuple(np.nan_to_num((x - mean) / std, nan=0.0).astype(np.float32) for x in (x_train, x_test))
 
 
-def adult(root: str, split_by: str = "sex") -> TensorData:
+def adult(root: str, split_by: str = "sex", standardize: bool = True) -> TensorData:
     """UCI Adult from ``<root>/adult/adult.data`` and ``adult.test`` (see the module docstring for the encoding).
 
     Args:
         root: the data directory.
         split_by: the sensitive attribute that gives the sample groups: ``sex`` (Female, Male) or ``race``
             (White, Black, Asian-Pac-Islander, Amer-Indian-Eskimo, Other).
+        standardize: z-score every column with ``adult.data``'s statistics; ``False`` keeps the raw numbers and codes.
 
     Returns:
         Inputs ``(N, 14)`` float32, 2 classes, ``groups_train`` / ``groups_test`` by ``split_by``.
@@ -159,7 +163,7 @@ def adult(root: str, split_by: str = "sex") -> TensorData:
     directory = _data_dir(root) / "adult"
     found = _find_files("adult", "Adult", directory, FILES, "the UCI files adult.data and adult.test (plain or .gz)")
     train, test = _read_table(found[FILES[0]]), _read_table(found[FILES[1]])
-    x_train, x_test = _features(train, test)
+    x_train, x_test = _features(train, test, standardize)
     group_ids = {name: g for g, name in enumerate(GROUPS[split_by])}
     group_col, label_col = COLUMNS.index(split_by), len(COLUMNS) - 1
     one_of = "one of " + ", ".join(GROUPS[split_by])

@@ -8,16 +8,21 @@ Guo, Jin, Luo, Yang, "FeDXL", ICML 2023 (§3 of the digest): CIFAR-10/100 made b
   (``null`` keeps every sample); the test split is left as it is, so test metrics see the natural ratio.
 * ``flip_rate`` flips that fraction of each training class (chosen once, before partitioning); the test
   split stays clean.
+* with a ``protocol`` (as :class:`~flx.datamodules.datamodule.FederatedDataModule` calls it), the validation split is
+  carved from the source's training rows FIRST (:func:`flx.datamodules.protocol.carve`): the validation rows keep
+  the natural ratio and clean labels, like the test split; only the remaining training rows are subsampled and flipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from flx.datamodules.protocol import DataProtocol, carve
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 
@@ -28,6 +33,7 @@ def binarize(
     imratio: float | None = None,
     flip_rate: float = 0.0,
     seed: int = 0,
+    protocol: DataProtocol | None = None,
 ) -> TensorData:
     """Loads ``source()`` and turns it into a binary task.
 
@@ -37,11 +43,13 @@ def binarize(
         imratio: fraction of positives kept in the training split, in ``(0, 1)``; ``None`` keeps all samples.
         flip_rate: fraction of each training class whose label is flipped, in ``[0, 0.5)``.
         seed: seed of the subsampling and of the flips.
+        protocol: if given, ``source(standardize=False)`` is carved by it first and the result is left unscaled
+            (the datamodule standardises); if ``None`` the source's own output is used as it is.
 
     Returns:
         The binary data (``num_classes == 2``, name ``<source>-binary``).
     """
-    data = source()
+    data = source() if protocol is None else carve(source(standardize=False), protocol)
     pos = list(range(data.num_classes // 2)) if positive is None else [int(c) for c in positive]
     if not pos or any(not 0 <= c < data.num_classes for c in pos) or len(set(pos)) == data.num_classes:
         raise bad_value("data.loader.positive", list(pos), f"some, not all, of the classes 0..{data.num_classes - 1}")
@@ -53,7 +61,17 @@ def binarize(
     y_train, y_test = _is_positive(data.y_train, pos), _is_positive(data.y_test, pos)
     keep = _keep_for_ratio(y_train.numpy(), imratio, rng)
     y_train = _flip(y_train[keep], flip_rate, rng)
-    return TensorData(data.x_train[keep], y_train, data.x_test, y_test, 2, f"{data.name}-binary")
+    y_val = None if data.y_val is None else _is_positive(data.y_val, pos)
+    return replace(
+        data,
+        x_train=data.x_train[keep],
+        y_train=y_train,
+        y_val=y_val,
+        y_test=y_test,
+        num_classes=2,
+        name=f"{data.name}-binary",
+        groups_train=None if data.groups_train is None else data.groups_train[keep],
+    )
 
 
 def _is_positive(y: Tensor, positive: list[int]) -> Tensor:

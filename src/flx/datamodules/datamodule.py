@@ -2,8 +2,11 @@
 
 The train "dataloader" is the round loader of :mod:`flx.loop` (it yields client ids); local minibatches
 are drawn by the federation straight from the store, so a client costs no copy and no DataLoader.
-Validation/test iterate the global test split (sharded over ranks without padding, so metrics are exact)
-and, when the partitioner keeps per-client test splits, every client's own test samples.
+Validation iterates the VALIDATION split (``data.val_fraction`` of the training rows, carved before any
+imbalance, label noise or partitioning: :mod:`flx.datamodules.protocol`) and test the global test split, each
+sharded over ranks without padding (so metrics are exact), each followed by a per-client loader (``client_eval``).
+With no validation split (``data.val_fraction=0``) the validation loop is skipped, unless ``eval_test`` adds the
+test loaders to it (test curves per round, logged as ``test/*``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 from torch import Tensor
 
 from flx.config import CLIENT_EVAL
+from flx.datamodules.partition_file import save_partition
+from flx.datamodules.protocol import DataProtocol, load, save_split
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.loop import RoundLoader
@@ -57,12 +62,16 @@ class FederatedDataModule(pl.LightningDataModule):
             :mod:`flx.datamodules.datasets`), or the data itself.
         partitioner: a callable ``(labels, seed) -> ClientSplit`` (see :mod:`flx.datamodules.partitioners`); when
             the data has sample groups (``TensorData.groups_train``) it is called as ``(labels, seed, groups=...)``.
-        seed: partition seed.
+        seed: the run's seed, used by a partitioner without a seed of its own (``partition.seed=null``).
         eval_batch_size: batch size of validation/test loaders.
         client_eval: what each client's accuracy (``*/client_acc_*``) is measured on: ``holdout`` (its own test
             split, ``partition.test_fraction``), ``test_labels`` (the global test rows of the labels it trains on:
             per-class accuracy for one class per client) or ``test_group`` (the global test rows of its sample
-            group, e.g. Adult's sex or race; every client must hold one group).
+            group, e.g. Adult's sex or race; every client must hold one group). On the validation split a client
+            is measured on the validation rows of its labels (``holdout``, ``test_labels``) or of its group.
+        protocol: the ``data.*`` protocol (validation carve, split file, standardisation); default: no
+            validation split, standardised.
+        eval_test: also evaluate the test split in every validation loop (``test/*`` curves); never select on it.
     """
 
     def __init__(
@@ -72,49 +81,64 @@ class FederatedDataModule(pl.LightningDataModule):
         seed: int = 0,
         eval_batch_size: int = 1024,
         client_eval: str = "holdout",
+        protocol: DataProtocol | None = None,
+        eval_test: bool = False,
     ) -> None:
         super().__init__()
         if client_eval not in CLIENT_EVAL:
             raise bad_value("client_eval", client_eval, f"allowed: {', '.join(CLIENT_EVAL)}")
         self.dataset, self.partitioner, self.seed, self.eval_batch_size = dataset, partitioner, seed, eval_batch_size
-        self.client_eval = client_eval
+        self.client_eval, self.protocol, self.eval_test = client_eval, protocol or DataProtocol(), eval_test
         self.data: TensorData | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.data is not None:
             return
-        self.data = self.dataset if isinstance(self.dataset, TensorData) else self.dataset()
+        self.data = load(self.dataset, self.protocol)
         groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train.numpy()}
-        split = self.partitioner(self.data.y_train.numpy(), self.seed, **groups)
-        self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in split.train]
-        self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in split.test]
-        self._client_eval_rows = self.client_test if self.client_eval == "holdout" else self._global_test_rows()
+        self.split = self.partitioner(self.data.y_train.numpy(), self.seed, **groups)
+        self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in self.split.train]
+        self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in self.split.test]
+        d = self.data
+        self._client_rows = {"test": self._client_test_rows(d.y_test, d.groups_test)}
+        self._client_rows["val"] = self._global_rows(d.y_val, d.groups_val) if d.num_val else []
         self.clients = ClientStore(self.data.x_train, self.data.y_train, self.client_train)
+
+    def save(self, folder: str) -> None:
+        """Writes ``data_split.json`` (pool ids of train / val / test, before any imbalance subsample: the
+        ``data.split_file`` format) and ``partition.json`` (each client's rows: the ``partition=from_file`` format)."""
+        if self.data is not None and self.data.rows is not None:
+            save_split(f"{folder}/data_split.json", self.data.rows)
+        save_partition(f"{folder}/partition.json", self.split)
 
     @property
     def num_clients(self) -> int:
         return len(self.client_train)
 
-    def _global_test_rows(self) -> list[Tensor]:
-        """Per client, the rows of the GLOBAL test split that share its labels (or its one sample group)."""
+    def _client_test_rows(self, y: Tensor, groups: Tensor | None) -> list[Tensor]:
+        """Per client, its own held-out training rows (``holdout``) or the test rows of its labels / group."""
+        return self.client_test if self.client_eval == "holdout" else self._global_rows(y, groups)
+
+    def _global_rows(self, y: Tensor, groups: Tensor | None) -> list[Tensor]:
+        """Per client, the rows of a global split (``y``, ``groups``) that share its labels (or its one group)."""
         d = self.data
-        if self.client_eval == "test_labels":
-            return [torch.isin(d.y_test, d.y_train[rows].unique()).nonzero().flatten() for rows in self.client_train]
-        if d.groups_train is None:
+        if self.client_eval != "test_group":
+            return [torch.isin(y, d.y_train[rows].unique()).nonzero().flatten() for rows in self.client_train]
+        if d.groups_train is None or groups is None:
             why = "needs a dataset with sample groups (data=adult, data=shakespeare)"
             raise bad_value("client_eval", self.client_eval, why)
         out = []
         for cid, rows in enumerate(self.client_train):
-            groups = d.groups_train[rows].unique()
-            if len(groups) != 1:
-                why = f"client {cid} holds {len(groups)} groups; every client must hold one (partition=by_group)"
+            held = d.groups_train[rows].unique()
+            if len(held) != 1:
+                why = f"client {cid} holds {len(held)} groups; every client must hold one (partition=by_group)"
                 raise bad_value("client_eval", self.client_eval, why)
-            out.append((d.groups_test == groups[0]).nonzero().flatten())
+            out.append((groups == held[0]).nonzero().flatten())
         return out
 
-    @property
-    def has_client_test(self) -> bool:
-        return sum(len(t) for t in self._client_eval_rows) > 0
+    def has_client_rows(self, split: str) -> bool:
+        """Whether ``split`` (``val`` or ``test``) has per-client evaluation rows."""
+        return sum(len(t) for t in self._client_rows[split]) > 0
 
     def train_dataloader(self) -> RoundLoader:
         return RoundLoader()
@@ -128,20 +152,29 @@ class FederatedDataModule(pl.LightningDataModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         return torch.arange(rank, n, world)
 
-    def _eval_loaders(self) -> list[TensorBatches]:
+    def _split_loaders(self, split: str) -> list[TensorBatches]:
+        """The global loader of ``split`` (``val`` or ``test``), then its per-client loader if it has one."""
         d = self.data
-        loaders = [TensorBatches((d.x_test, d.y_test), self.eval_batch_size, self._rank_rows(len(d.y_test)))]
-        if self.has_client_test:
-            per_client = self._client_eval_rows
+        x, y = (d.x_val, d.y_val) if split == "val" else (d.x_test, d.y_test)
+        loaders = [TensorBatches((x, y), self.eval_batch_size, self._rank_rows(len(y)))]
+        if self.has_client_rows(split):
+            per_client = self._client_rows[split]
             rows = torch.cat(per_client)
             owner = torch.cat([torch.full((len(t),), c, dtype=torch.long) for c, t in enumerate(per_client)])
-            x, y = (d.x_train, d.y_train) if self.client_eval == "holdout" else (d.x_test, d.y_test)
-            tensors = (x[rows], y[rows], owner)
-            loaders.append(TensorBatches(tensors, self.eval_batch_size, self._rank_rows(len(rows))))
+            if split == "test" and self.client_eval == "holdout":
+                x, y = d.x_train, d.y_train
+            loaders.append(TensorBatches((x[rows], y[rows], owner), self.eval_batch_size, self._rank_rows(len(rows))))
         return loaders
 
+    def eval_plan(self, stage: str) -> list[tuple[str, bool]]:
+        """``(split, per_client)`` of each loader of the ``val`` or ``test`` stage, in dataloader-index order."""
+        splits = ["test"] if stage == "test" else (["val"] if self.data.num_val else []) + ["test"] * self.eval_test
+        return [(split, k == 1) for split in splits for k in range(1 + self.has_client_rows(split))]
+
     def val_dataloader(self) -> list[TensorBatches]:
-        return self._eval_loaders()
+        """The validation split's loaders (and the test split's with ``eval_test``); empty: the loop is skipped."""
+        loaders = self._split_loaders("val") if self.data.num_val else []
+        return loaders + (self._split_loaders("test") if self.eval_test else [])
 
     def test_dataloader(self) -> list[TensorBatches]:
-        return self._eval_loaders()
+        return self._split_loaders("test")

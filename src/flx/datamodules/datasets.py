@@ -16,7 +16,10 @@ Formats read here:
 The format readers and shared helpers live in :mod:`flx.datamodules.formats`.
 
 Images become float32 ``(N, C, H, W)`` tensors, scaled to ``[0, 1]`` and standardised per channel with
-the mean and standard deviation of the train split; labels become int64 ``(N,)`` tensors.
+the mean and standard deviation of the train split; labels become int64 ``(N,)`` tensors. Every loader takes
+``standardize`` (default true); ``False`` keeps the raw scaling (pixels / 255, digits / 16, tables as they are),
+which is how :class:`~flx.datamodules.datamodule.FederatedDataModule` calls them: it standardises itself, after
+carving the validation split (:mod:`flx.datamodules.protocol`).
 """
 
 from __future__ import annotations
@@ -90,28 +93,42 @@ _MEDMNIST_SIZES = (28, 64, 128, 224)
 
 
 def _tabular_data(
-    x: np.ndarray, y: np.ndarray, axis: tuple[int, ...], test_size: float, seed: int, name: str
+    x: np.ndarray,
+    y: np.ndarray,
+    axis: tuple[int, ...],
+    test_size: float | None,
+    seed: int,
+    name: str,
+    scale: float,
+    standardize: bool = True,
 ) -> TensorData:
-    """Splits a bundled dataset (stratified) and standardises it with the train split's mean/std (zero std -> 1).
+    """Splits a bundled dataset (stratified) and scales it.
 
     Args:
         x: inputs.
         y: labels ``0..K-1``.
         axis: axes reduced for the standardisation statistics.
-        test_size: fraction of samples in the test split.
+        test_size: fraction of samples in the test split; ``None`` keeps every sample, in the dataset's order, in the
+            training split and leaves the test split empty (for ``data.split_file``, which then lists the test rows).
         seed: random state of the split.
         name: dataset name.
+        scale: the raw scaling ``x / scale`` (digits: 16, the largest pixel value).
+        standardize: z-score with the train split's mean/std (zero std -> 1); ``False`` keeps ``x / scale``.
 
     Returns:
         The dataset, inputs as float32 and labels as int64 tensors.
 
     Raises:
-        ConfigError: if ``test_size`` is not a fraction strictly between 0 and 1.
+        ConfigError: if ``test_size`` is not a fraction strictly between 0 and 1 (or ``None``).
     """
-    _check_fraction("data.loader.test_size", test_size)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
-    mean = x_train.mean(axis=axis, keepdims=True, dtype=np.float64)
-    std = x_train.std(axis=axis, keepdims=True, dtype=np.float64)
+    x = x / scale
+    if test_size is None:
+        x_train, x_test, y_train, y_test = x, x[:0], y, y[:0]
+    else:
+        _check_fraction("data.loader.test_size", test_size)
+        x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
+    mean = x_train.mean(axis=axis, keepdims=True, dtype=np.float64) if standardize else 0.0
+    std = x_train.std(axis=axis, keepdims=True, dtype=np.float64) if standardize else np.ones(1)
     std[std == 0] = 1.0
     return TensorData(
         x_train=torch.from_numpy(((x_train - mean) / std).astype(np.float32)),
@@ -123,32 +140,34 @@ def _tabular_data(
     )
 
 
-def digits(test_size: float = 0.2, seed: int = 0) -> TensorData:
+def digits(test_size: float | None = 0.2, seed: int = 0, standardize: bool = True) -> TensorData:
     """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes).
 
     Args:
-        test_size: fraction of samples in the (stratified) test split.
+        test_size: fraction of samples in the (stratified) test split (``None``: no split, see :func:`_tabular_data`).
         seed: random state of the split.
+        standardize: z-score with the train split's mean/std; ``False`` gives pixels / 16 in ``[0, 1]``.
 
     Returns:
-        Inputs ``(N, 1, 8, 8)`` standardised with the train split's mean/std.
+        Inputs ``(N, 1, 8, 8)``.
     """
     bunch = load_digits()
-    return _tabular_data(bunch.images[:, None], bunch.target, (0, 2, 3), test_size, seed, "digits")
+    return _tabular_data(bunch.images[:, None], bunch.target, (0, 2, 3), test_size, seed, "digits", 16.0, standardize)
 
 
-def breast_cancer(test_size: float = 0.2, seed: int = 0) -> TensorData:
+def breast_cancer(test_size: float | None = 0.2, seed: int = 0, standardize: bool = True) -> TensorData:
     """scikit-learn's bundled Wisconsin breast-cancer table (569 samples, 30 features, 2 classes).
 
     Args:
-        test_size: fraction of samples in the (stratified) test split.
+        test_size: fraction of samples in the (stratified) test split (``None``: no split, see :func:`_tabular_data`).
         seed: random state of the split.
+        standardize: z-score per feature with the train split's mean/std; ``False`` keeps the raw measurements.
 
     Returns:
-        Inputs ``(N, 30)`` standardised per feature with the train split's mean/std.
+        Inputs ``(N, 30)``.
     """
     bunch = load_breast_cancer()
-    return _tabular_data(bunch.data, bunch.target, (0,), test_size, seed, "breast_cancer")
+    return _tabular_data(bunch.data, bunch.target, (0,), test_size, seed, "breast_cancer", 1.0, standardize)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -156,7 +175,7 @@ def breast_cancer(test_size: float = 0.2, seed: int = 0) -> TensorData:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def mnist(root: str) -> TensorData:
+def mnist(root: str, standardize: bool = True) -> TensorData:
     """MNIST from torchvision's raw IDX files in ``<root>/MNIST/raw`` (60000 train, 10000 test).
 
     Args:
@@ -169,10 +188,10 @@ def mnist(root: str) -> TensorData:
         ConfigError: if the files are missing or corrupt.
     """
     directory = _data_dir(root) / "MNIST" / "raw"
-    return _image_data(*_idx_dataset("mnist", "MNIST", directory, _IDX_NAMES, 10), 10, "mnist")
+    return _image_data(*_idx_dataset("mnist", "MNIST", directory, _IDX_NAMES, 10), 10, "mnist", standardize)
 
 
-def fashion_mnist(root: str) -> TensorData:
+def fashion_mnist(root: str, standardize: bool = True) -> TensorData:
     """FashionMNIST from torchvision's raw IDX files in ``<root>/FashionMNIST/raw``.
 
     Args:
@@ -185,10 +204,11 @@ def fashion_mnist(root: str) -> TensorData:
         ConfigError: if the files are missing or corrupt.
     """
     directory = _data_dir(root) / "FashionMNIST" / "raw"
-    return _image_data(*_idx_dataset("fashion_mnist", "FashionMNIST", directory, _IDX_NAMES, 10), 10, "fashion_mnist")
+    splits = _idx_dataset("fashion_mnist", "FashionMNIST", directory, _IDX_NAMES, 10)
+    return _image_data(*splits, 10, "fashion_mnist", standardize)
 
 
-def emnist(root: str, split: str = "balanced") -> TensorData:
+def emnist(root: str, split: str = "balanced", standardize: bool = True) -> TensorData:
     """EMNIST from torchvision's raw IDX files in ``<root>/EMNIST/raw/emnist-<split>-*``.
 
     EMNIST images are stored transposed; they are transposed back so they look like MNIST. The
@@ -212,7 +232,7 @@ def emnist(root: str, split: str = "balanced") -> TensorData:
     names = [f"emnist-{split}-{name.replace('t10k', 'test')}" for name in _IDX_NAMES]
     splits = _idx_dataset("emnist", f"EMNIST '{split}'", directory, names, num_classes, first)
     train, test = ((x.transpose(0, 1, 3, 2), y) for x, y in splits)  # stored transposed: turn them upright
-    return _image_data(train, test, num_classes, f"emnist-{split}")
+    return _image_data(train, test, num_classes, f"emnist-{split}", standardize)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -258,7 +278,7 @@ def _cifar(
     return splits[0], splits[1]
 
 
-def cifar10(root: str) -> TensorData:
+def cifar10(root: str, standardize: bool = True) -> TensorData:
     """CIFAR-10 from the python-pickle folder ``<root>/cifar-10-batches-py``.
 
     Args:
@@ -273,10 +293,10 @@ def cifar10(root: str) -> TensorData:
     directory = _data_dir(root) / "cifar-10-batches-py"
     train_names = [f"data_batch_{i}" for i in range(1, 6)]
     train, test = _cifar(directory, train_names, "test_batch", b"labels", 10, "cifar10")
-    return _image_data(train, test, 10, "cifar10")
+    return _image_data(train, test, 10, "cifar10", standardize)
 
 
-def cifar100(root: str, label: str = "fine") -> TensorData:
+def cifar100(root: str, label: str = "fine", standardize: bool = True) -> TensorData:
     """CIFAR-100 from the python-pickle folder ``<root>/cifar-100-python``.
 
     Args:
@@ -293,7 +313,7 @@ def cifar100(root: str, label: str = "fine") -> TensorData:
     num_classes = 100 if label == "fine" else 20
     directory = _data_dir(root) / "cifar-100-python"
     train, test = _cifar(directory, ["train"], "test", f"{label}_labels".encode(), num_classes, "cifar100")
-    return _image_data(train, test, num_classes, f"cifar100-{label}")
+    return _image_data(train, test, num_classes, f"cifar100-{label}", standardize)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -360,7 +380,12 @@ def _check_medmnist_options(name: str, size: int, label_index: int | None, use_v
 
 
 def medmnist(
-    root: str, name: str = "pathmnist", size: int = 28, label_index: int | None = None, use_val: str = "drop"
+    root: str,
+    name: str = "pathmnist",
+    size: int = 28,
+    label_index: int | None = None,
+    use_val: str = "drop",
+    standardize: bool = True,
 ) -> TensorData:
     """A 2D MedMNIST dataset from the ``medmnist`` package's ``.npz`` files.
 
@@ -396,7 +421,7 @@ def medmnist(
         _check_labels(y, len(x), num_classes, path, "medmnist")
         splits.append((x, y))
     suffix = "" if size == 28 else f"_{size}"
-    return _image_data(splits[0], splits[1], num_classes, f"{name}{suffix}")
+    return _image_data(splits[0], splits[1], num_classes, f"{name}{suffix}", standardize)
 
 
 LOADERS: dict[str, Callable[..., TensorData]] = {

@@ -375,7 +375,7 @@ def _to_standardised(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> T
     return out
 
 
-def _image_data(train: Split, test: Split, num_classes: int, name: str) -> TensorData:
+def _image_data(train: Split, test: Split, num_classes: int, name: str, standardize: bool = True) -> TensorData:
     """Builds a :class:`TensorData` from uint8 images, standardised with the train split's statistics.
 
     Args:
@@ -383,11 +383,13 @@ def _image_data(train: Split, test: Split, num_classes: int, name: str) -> Tenso
         test: same for the test split.
         num_classes: number of classes.
         name: dataset name for logs.
+        standardize: ``False`` keeps the raw scaling ``images / 255``.
 
     Returns:
         The dataset.
     """
-    mean, std = _channel_stats(train[0])
+    channels = train[0].shape[1]
+    mean, std = _channel_stats(train[0]) if standardize else (np.zeros(channels), np.ones(channels))
     return TensorData(
         x_train=_to_standardised(train[0], mean, std),
         y_train=torch.from_numpy(np.array(train[1], dtype=np.int64)),

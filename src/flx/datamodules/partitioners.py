@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flx.datamodules.partition_file import check_covers, read_partition_file
 from flx.datamodules.partition_ops import (
     as_labels,
     balanced_class_choice,
@@ -66,14 +67,17 @@ class Partitioner:
         test_fraction: fraction of each client's samples held out as its personal test set, in ``[0, 1)``. Every
             client keeps at least one training sample.
         min_size: every client gets at least this many samples (train + test), ``>= 1``.
+        seed: the partition seed (``partition.seed``): fixed, so the partition does not change with the run's seed;
+            ``None`` uses the seed the partitioner is called with (the run's ``seed``).
     """
 
     name = "partitioner"
 
-    def __init__(self, num_clients: int, test_fraction: float = 0.0, min_size: int = 1) -> None:
+    def __init__(self, num_clients: int, test_fraction: float = 0.0, min_size: int = 1, seed: int | None = None):
         self.num_clients = num_clients
         self.test_fraction = test_fraction
         self.min_size = min_size
+        self.seed = seed
         self._check_params()
 
     def __repr__(self) -> str:
@@ -102,7 +106,8 @@ class Partitioner:
 
         Args:
             labels: 1-D integer array of training labels.
-            seed: seed for ``np.random.default_rng``; the same seed gives the same split.
+            seed: seed for ``np.random.default_rng`` unless the partitioner has its own ``seed``; the same seed gives
+                the same split.
             groups: optional 1-D integer group id per training sample (ignored unless the scheme splits by group).
 
         Returns:
@@ -114,7 +119,7 @@ class Partitioner:
         labels = as_labels(labels)
         self._check_params()
         self._check_fits(len(labels))
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed if self.seed is None else self.seed)
         keys = self.keys(labels, groups)
         parts = [np.sort(np.asarray(part, dtype=np.int64)) for part in self.assign(keys, rng)]
         check_is_partition(parts, len(labels), self.num_clients, type(self).__name__)
@@ -128,6 +133,8 @@ class Partitioner:
         self.test_fraction = real("partition.test_fraction", self.test_fraction, "must be a number in [0, 1)")
         if not 0.0 <= self.test_fraction < 1.0:
             raise bad_value("partition.test_fraction", self.test_fraction, "must be in [0, 1)")
+        if self.seed is not None:
+            self.seed = integer("partition.seed", self.seed, low=0)
 
     def _check_fits(self, num_samples: int) -> None:
         """Validates ``num_clients`` and ``min_size`` against the number of training samples."""
@@ -197,9 +204,17 @@ class Stratified(Partitioner):
 class _AlphaPartitioner(Partitioner):
     """A partitioner with a Dirichlet concentration ``alpha > 0`` (``partition.alpha``)."""
 
-    def __init__(self, num_clients: int, alpha: float = 0.5, *, test_fraction: float = 0.0, min_size: int = 1) -> None:
+    def __init__(
+        self,
+        num_clients: int,
+        alpha: float = 0.5,
+        *,
+        test_fraction: float = 0.0,
+        min_size: int = 1,
+        seed: int | None = None,
+    ) -> None:
         self.alpha = alpha
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size)
+        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -262,10 +277,16 @@ class Shards(Partitioner):
     name = "shards"
 
     def __init__(
-        self, num_clients: int, classes_per_client: int = 2, *, test_fraction: float = 0.0, min_size: int = 1
+        self,
+        num_clients: int,
+        classes_per_client: int = 2,
+        *,
+        test_fraction: float = 0.0,
+        min_size: int = 1,
+        seed: int | None = None,
     ) -> None:
         self.classes_per_client = classes_per_client
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size)
+        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -389,6 +410,51 @@ class ByGroup(Partitioner):
         return per_group
 
 
+class FromFile(Partitioner):
+    """Each client's rows read from a JSON file (``partition.path``, format in :mod:`flx.datamodules.partition_file`):
+    the exact partition of another implementation, or of an earlier run (its ``partition.json``). Nothing is random
+    except a ``test_fraction`` hold-out, which needs a file without ``test`` lists.
+
+    Args:
+        path: the JSON file; read (and its structure checked) when the partitioner is built, before the run.
+        num_clients: ``None`` takes the file's client count; a number must equal it.
+        test_fraction: see :class:`Partitioner`.
+        min_size: see :class:`Partitioner`.
+    """
+
+    name = "from_file"
+
+    def __init__(
+        self,
+        path: str,
+        num_clients: int | None = None,
+        test_fraction: float = 0.0,
+        min_size: int = 1,
+        seed: int | None = None,
+    ) -> None:
+        self.path, self._clients = path, read_partition_file(path)
+        if num_clients is not None and num_clients != len(self._clients):
+            why = f"{path} lists {len(self._clients)} clients; leave partition.num_clients null or set it to that"
+            raise bad_value("partition.num_clients", num_clients, why)
+        super().__init__(len(self._clients), test_fraction=test_fraction, min_size=min_size, seed=seed)
+        if self.test_fraction > 0 and any(len(test) for _, test in self._clients):
+            why = f"{path} already lists each client's test rows; set partition.test_fraction=0"
+            raise bad_value("partition.test_fraction", self.test_fraction, why)
+
+    def __repr__(self) -> str:
+        return f"FromFile(path={self.path!r}, num_clients={self.num_clients}, test_fraction={self.test_fraction})"
+
+    def __call__(self, labels: np.ndarray, seed: int, groups: np.ndarray | None = None) -> ClientSplit:
+        """The file's partition of ``labels``' rows (checked: in range, each row in exactly one client)."""
+        labels = as_labels(labels)
+        check_covers(self._clients, len(labels), self.path)
+        train = [np.sort(tr) for tr, _ in self._clients]
+        self._check_min_size([np.concatenate([tr, te]) for tr, te in self._clients])
+        if any(len(te) for _, te in self._clients):
+            return ClientSplit(train=train, test=[np.sort(te) for _, te in self._clients])
+        return self._split_test(train, np.random.default_rng(seed if self.seed is None else self.seed))
+
+
 PARTITIONERS: dict[str, type[Partitioner]] = {
     "iid": IID,
     "stratified": Stratified,
@@ -397,5 +463,6 @@ PARTITIONERS: dict[str, type[Partitioner]] = {
     "one_class": OneClass,
     "quantity_skew": QuantitySkew,
     "by_group": ByGroup,
+    "from_file": FromFile,
 }
 """Partitioners by their config name."""

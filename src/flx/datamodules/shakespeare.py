@@ -135,12 +135,13 @@ def _kept_users(train: UserData, num_users: int | None) -> list[str]:
     return users[:num_users]
 
 
-def shakespeare(root: str, num_users: int | None = None) -> TensorData:
+def shakespeare(root: str, num_users: int | None = None, standardize: bool = True) -> TensorData:
     """LEAF Shakespeare from ``<root>/shakespeare/{train,test}/*.json`` (see the module docstring).
 
     Args:
         root: the data directory.
         num_users: keep the first this many train users (file order); ``None`` keeps every user.
+        standardize: unused: the inputs are token ids (accepted like every loader's).
 
     Returns:
         int64 inputs ``(N, 80)`` of character ids, 81 classes, ``groups_*`` = user position, ``group_names`` = users.

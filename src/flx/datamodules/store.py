@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,6 +26,10 @@ class TensorData:
         groups_test: optional int64 group id of each test sample, shape ``(M,)``, in the same numbering (for
             per-group evaluation); set exactly when ``groups_train`` is.
         group_names: the name of each group id (``group_names[g]``), or empty.
+        x_val, y_val, groups_val: the validation split (rows carved from the training split by
+            :func:`flx.datamodules.protocol.carve`), or ``None`` when the data have not been carved.
+        rows: after the carve, the pool ids (training rows ``0..N-1``, then test rows ``N..``) of each split
+            (``train``, ``val``, ``test``), before any imbalance subsample; ``None`` before.
     """
 
     x_train: Tensor
@@ -36,6 +41,10 @@ class TensorData:
     groups_train: Tensor | None = None
     groups_test: Tensor | None = None
     group_names: tuple[str, ...] = ()
+    x_val: Tensor | None = None
+    y_val: Tensor | None = None
+    groups_val: Tensor | None = None
+    rows: dict[str, np.ndarray] | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -49,3 +58,12 @@ class TensorData:
         if self.groups_train is not None and self.groups_test is not None:
             assert self.groups_train.dtype == torch.int64 and self.groups_test.dtype == torch.int64
             assert self.groups_train.shape == self.y_train.shape and self.groups_test.shape == self.y_test.shape
+        if self.x_val is not None and self.y_val is not None:
+            assert self.x_val.dtype == self.x_train.dtype and self.y_val.dtype == torch.int64
+            assert len(self.x_val) == len(self.y_val)
+            assert (self.groups_val is None) == (self.groups_train is None)
+
+    @property
+    def num_val(self) -> int:
+        """Rows of the validation split (0 when there is none)."""
+        return 0 if self.y_val is None else len(self.y_val)

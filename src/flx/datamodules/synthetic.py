@@ -46,6 +46,7 @@ def synthetic(
     num_classes: int = 10,
     test_samples: int = 1000,
     seed: int = 0,
+    standardize: bool = True,
 ) -> TensorData:
     """Gaussian inputs with labels from a fixed random linear teacher.
 
@@ -55,6 +56,7 @@ def synthetic(
         num_classes: number of classes ``K >= 2``.
         test_samples: samples of the global test split (same distribution, same teacher).
         seed: seed of the inputs and of the teacher.
+        standardize: unused: the inputs are drawn standard normal (accepted like every loader's).
 
     Returns:
         float32 inputs ``(N, *input_shape)`` (already standard normal), int64 labels in ``0..K-1``.

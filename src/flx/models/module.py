@@ -2,8 +2,9 @@
 
 It owns the single reused net and the :class:`~flx.federation.Federation`. ``training_step`` receives a
 client id (one "batch" = one client) and trains that client; evaluation of the global model runs in
-Lightning's validation/test loops. Metric keys: ``val/acc``, ``val/loss``, ``val/client_acc_{mean,worst,std}``,
-binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``,
+Lightning's validation/test loops: ``val/*`` on the validation split (``data.val_fraction`` of the training rows),
+``test/*`` on the test split (also inside the validation loop with ``eval_test``). Metric keys: ``val/acc``,
+``val/loss``, ``val/client_acc_{mean,worst,std}``, binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``,
 ``test/*`` likewise, round-level keys under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local
 iterations per client so far, ``cohort``, ``samples``).
 """
@@ -130,13 +131,15 @@ class FederatedModule(pl.LightningModule):
         self.log_dict(counts, sync_dist=True)  # identical on every rank; syncing only silences Lightning's advice
 
     # ------------------------------------------------------------------ evaluation of the global model
-    def _eval_step(self, split: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
+    def _eval_step(self, stage: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
+        # which split (val: the validation rows, test: the test split) and kind this loader is: see eval_plan
+        split, per_client = self.trainer.datamodule.eval_plan(stage)[dataloader_idx]
         x = batch[0]
         if x.is_floating_point():  # integer token ids stay int64
             x = x.to(next(self.net.parameters()).dtype)
         logits = self.net(x)
         pred = heads.predict(logits)
-        if dataloader_idx == 0:
+        if not per_client:
             self.acc[split].update(pred, batch[1])
             self.loss_mean[split].update(heads.classification_loss(logits, batch[1]), weight=len(batch[1]))
             if self.auc is not None:
@@ -150,20 +153,29 @@ class FederatedModule(pl.LightningModule):
     def test_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step("test", batch, dataloader_idx)
 
-    def _eval_epoch_end(self, split: str) -> None:
-        if split == "val" and not torch.isfinite(self.loss_mean[split].compute()):
-            rnd = self.federation.server.round
+    def _eval_epoch_end(self, stage: str) -> None:
+        dm = self.trainer.datamodule
+        for split in dict.fromkeys(split for split, _ in dm.eval_plan(stage)):
+            if stage == "val":
+                self._check_finite(split)
+            self._log_split(split, dm.has_client_rows(split))
+
+    def _check_finite(self, split: str) -> None:
+        """A non-finite loss of the global model during fit: the run stops as diverged (never ends with it)."""
+        if not torch.isfinite(self.loss_mean[split].compute()):
             raise Diverged(
-                f"diverged in round {rnd}: the global model's validation loss is not finite; "
+                f"diverged in round {self.federation.server.round}: the global model's {split} loss is not finite; "
                 f"lower algo.lr (now {self.federation.cfg.lr:g})"
             )
+
+    def _log_split(self, split: str, per_client_rows: bool) -> None:
         self.log(f"{split}/acc", self.acc[split], add_dataloader_idx=False)
         self.log(f"{split}/loss", self.loss_mean[split], add_dataloader_idx=False)
         if self.auc is not None:
             for key, value in self.auc[split].compute().items():
                 self.log(f"{split}/{key}", value.float(), add_dataloader_idx=False)
             self.auc[split].reset()
-        if self.trainer.datamodule.has_client_test:
+        if per_client_rows:
             per_client = self.client_acc[split].compute()
             self.client_acc[split].reset()
             for k, v in summarize(per_client).items():

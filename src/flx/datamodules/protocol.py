@@ -1,0 +1,232 @@
+"""The data protocol: which rows are train, validation and test, and how inputs are scaled.
+
+Order of operations (``FederatedDataModule.setup``):
+
+1. the loader reads the dataset, raw-scaled (pixels / 255, digits / 16, tables as they are);
+2. :func:`carve` picks the rows: ``data.split_file`` (exact indices), or else a stratified
+   ``data.val_fraction`` of the TRAINING rows moved to the validation split, drawn with ``data.split_seed``;
+3. loaders that change training rows (:func:`flx.datamodules.binary.binarize`: the imbalance subsample and the
+   label flips) do so only now, on the training rows, so the validation rows are never subsampled or flipped;
+4. :func:`standardized` z-scores every split with the mean/std of the final training rows
+   (``data.standardize``);
+5. the partitioner splits the training rows over the clients (``partition.seed``).
+
+Row ids ("pool" ids) number the loader's training rows ``0..N-1`` and then its test rows ``N..N+M-1``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flx.datamodules.store import TensorData
+from flx.errors import bad_value
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class DataProtocol:
+    """The ``data.*`` protocol keys.
+
+    Attributes:
+        val_fraction: fraction of each class of the training rows held out for validation, in ``[0, 1)``;
+            ``0`` = no validation split (the validation loop is skipped).
+        split_seed: seed of the validation carve (and, through the configs, of the bundled train/test split, the
+            imbalance subsample and the label flips): fixed, so the data do not change with the run's ``seed``.
+        split_file: a JSON file with exact ``train`` / ``val`` / ``test`` pool ids; overrides ``val_fraction``.
+        standardize: z-score inputs with the training rows' statistics (``False``: the raw scaling).
+    """
+
+    val_fraction: float = 0.0
+    split_seed: int = 0
+    split_file: str | None = None
+    standardize: bool = True
+
+    def __post_init__(self) -> None:
+        f = self.val_fraction
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
+            raise bad_value("data.val_fraction", f, "must be a number in [0, 1) (0: no validation split)")
+        s = self.split_seed
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
+            raise bad_value("data.split_seed", s, "must be an integer >= 0")
+        if not isinstance(self.standardize, bool):
+            raise bad_value("data.standardize", self.standardize, "must be true or false")
+        if self.split_file is not None and not isinstance(self.split_file, str):
+            raise bad_value("data.split_file", self.split_file, "must be a path or null")
+
+
+def stratified_holdout(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Sorted positions of ``floor(fraction * n_c + 1/2)`` random samples of every class ``c``."""
+    out = [rng.permutation(np.flatnonzero(labels == c))[: math.floor(fraction * n + 0.5)] for c, n in _counts(labels)]
+    return np.sort(np.concatenate(out or [np.empty(0, np.int64)])).astype(np.int64)
+
+
+def _counts(labels: np.ndarray) -> list[tuple[int, int]]:
+    values, counts = np.unique(labels, return_counts=True)
+    return list(zip(values.tolist(), counts.tolist()))
+
+
+def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
+    """Picks the train / val / test rows (``protocol.split_file``, else a stratified validation carve)."""
+    n, m = len(data.y_train), len(data.y_test)
+    if protocol.split_file is not None:
+        rows = read_split_file(protocol.split_file, n, m)
+    else:
+        rng = np.random.default_rng(protocol.split_seed)
+        val = stratified_holdout(data.y_train.numpy(), protocol.val_fraction, rng)
+        rows = {"train": np.setdiff1d(np.arange(n), val), "val": val, "test": np.arange(n, n + m)}
+    if not len(rows["test"]) and protocol.split_file is None:  # data.test_fraction=null and no file
+        raise bad_value(
+            "data.test_fraction", None, "no test split: set a fraction, or list the test rows in data.split_file"
+        )
+    if not len(rows["test"]):
+        raise bad_value("data.split_file", protocol.split_file, "no test rows: list them under 'test'")
+    return select(data, rows)
+
+
+def select(data: TensorData, rows: dict[str, np.ndarray]) -> TensorData:
+    """The data with splits made of the given pool ids (``TensorData.rows`` records them)."""
+    n = len(data.y_train)
+    ids = {k: torch.as_tensor(rows.get(k, np.empty(0, np.int64)), dtype=torch.long) for k in SPLITS}
+
+    def take(train: Tensor | None, test: Tensor | None, i: Tensor) -> Tensor | None:
+        if train is None or test is None:
+            return None
+        if not len(i) or i.max() < n:  # one source split: no pooled copy (CIFAR-size inputs)
+            return train[i]
+        return test[i - n] if i.min() >= n else torch.cat([train, test])[i]
+
+    split = {
+        k: [
+            take(a, b, i)
+            for a, b in (
+                (data.x_train, data.x_test),
+                (data.y_train, data.y_test),
+                (data.groups_train, data.groups_test),
+            )
+        ]
+        for k, i in ids.items()
+    }
+    return replace(
+        data,
+        x_train=split["train"][0],
+        y_train=split["train"][1],
+        groups_train=split["train"][2],
+        x_val=split["val"][0],
+        y_val=split["val"][1],
+        groups_val=split["val"][2],
+        x_test=split["test"][0],
+        y_test=split["test"][1],
+        groups_test=split["test"][2],
+        rows={k: i.numpy() for k, i in ids.items()},
+    )
+
+
+def channel_stats(x: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """Mean and population std of ``x`` per channel (dim 1; per feature for ``(N, D)``), float64, shaped to broadcast
+    against ``x``; accumulated in float64 over row chunks, so no float64 copy of the whole split. Zero std -> 1."""
+    dims = (0, *range(2, x.ndim))
+    total = sum((c.double().sum(dim=dims, keepdim=True) for c in x.split(chunk)), torch.zeros(()))
+    count = x.numel() / x.shape[1]
+    mean = total / count
+    sq = sum((((c.double() - mean) ** 2).sum(dim=dims, keepdim=True) for c in x.split(chunk)), torch.zeros(()))
+    std = (sq / count).sqrt()
+    std[std == 0] = 1.0
+    return mean, std
+
+
+def standardized(data: TensorData) -> TensorData:
+    """Every split z-scored with the training rows' mean and (population) std: per channel for ``(N, C, ...)``
+    inputs, per feature for ``(N, D)``; a zero std counts as 1. Integer inputs (token ids) are left as they are."""
+    if not data.x_train.is_floating_point():
+        return data
+    mean, std = (s.float() for s in channel_stats(data.x_train))
+
+    def z(x: Tensor | None) -> Tensor | None:
+        return None if x is None else (x - mean).div_(std)
+
+    return replace(data, x_train=z(data.x_train), x_val=z(data.x_val), x_test=z(data.x_test))
+
+
+def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol) -> TensorData:
+    """Runs the protocol: load raw, carve, (the loader's own training-row changes), standardise.
+
+    A :class:`TensorData` given directly is carved only, never rescaled. A loader that changes training rows
+    takes a ``protocol`` argument and carves itself first (:func:`flx.datamodules.binary.binarize`); a loader
+    without a ``standardize`` argument is called plainly.
+    """
+    if isinstance(dataset, TensorData):
+        return carve(dataset, protocol)
+    params = inspect.signature(dataset).parameters
+    if "protocol" in params:
+        data = dataset(protocol=protocol)
+    else:
+        data = carve(dataset(standardize=False) if "standardize" in params else dataset(), protocol)
+    return standardized(data) if protocol.standardize else data
+
+
+# ------------------------------------------------------------------------------------------------ JSON files
+def _read_json(path: str, key: str) -> Any:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise bad_value(key, path, f"file not found (looked at {file.resolve()})")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_value(key, path, f"not a readable JSON file ({type(e).__name__}: {e})") from None
+
+
+def index_array(value: Any, key: str, path: str, what: str) -> np.ndarray:
+    """A JSON list of non-negative integers as an int64 array, or a one-line error naming ``what``."""
+    ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if not ok:
+        raise bad_value(key, path, f"{what} must be a list of non-negative integers")
+    return np.asarray(value, dtype=np.int64).reshape(-1)
+
+
+def check_disjoint(arrays: dict[str, np.ndarray], size: int, key: str, path: str) -> None:
+    """Every index below ``size`` and in at most one of the named arrays, or a one-line error."""
+    for name, a in arrays.items():
+        if len(a) and a.max() >= size:
+            raise bad_value(key, path, f"{name} has index {int(a.max())}, out of range (there are {size} rows)")
+    flat = np.concatenate([*arrays.values(), np.empty(0, np.int64)])
+    counts = np.bincount(flat, minlength=size)
+    if len(flat) and counts.max() > 1:
+        row = int(counts.argmax())
+        where = [name for name, a in arrays.items() if row in a]
+        twice = f"{where[0]} twice" if len(where) == 1 else " and ".join(where)
+        raise bad_value(key, path, f"row {row} is listed in {twice}; every row may appear once")
+
+
+def read_split_file(path: str, num_train: int, num_test: int) -> dict[str, np.ndarray]:
+    """Reads ``{"train": [...], "val": [...], "test": [...]}`` (pool ids; ``val`` and ``test`` optional).
+
+    Without ``test`` the loader's test rows (``N..N+M-1``) are the test split, and may not be listed elsewhere.
+    """
+    key, size = "data.split_file", num_train + num_test
+    obj = _read_json(path, key)
+    if not isinstance(obj, dict) or "train" not in obj or set(obj) - set(SPLITS):
+        raise bad_value(key, path, "must hold a JSON object with 'train' and optional 'val', 'test' lists of row ids")
+    rows = {k: index_array(obj.get(k, []), key, path, f"'{k}'") for k in SPLITS}
+    if "test" not in obj:
+        rows["test"] = np.arange(num_train, size)
+    if not len(rows["train"]):
+        raise bad_value(key, path, "'train' is empty")
+    check_disjoint(rows, size, key, path)
+    return {k: np.sort(v) for k, v in rows.items()}
+
+
+def save_split(path: str | Path, rows: dict[str, np.ndarray]) -> None:
+    """Writes the pool ids of each split in the format of :func:`read_split_file`."""
+    Path(path).write_text(json.dumps({k: np.asarray(rows[k]).tolist() for k in SPLITS if k in rows}))
