@@ -197,30 +197,26 @@ CASES = [
         ("checkpoint.monitor=", "val/nope", "val/acc"),
         slow=True,
     ),
-    # --- data (checked by the loaders inside the run) ---
+    # --- data: missing files and options that choose them are found by the pre-run check (flx.datamodules.files) ---
     Case(
         "cifar10-missing",
         ("data=cifar10",),
         ("data=cifar10", "{data}/cifar-10-batches-py", "data_batch_1", "paths.data_dir"),
-        slow=True,
     ),
     Case(
         "mnist-missing",
         ("data=mnist",),
         ("data=mnist", "{data}/MNIST/raw", "train-images-idx3-ubyte", "paths.data_dir"),
-        slow=True,
     ),
     Case(
         "medmnist-unknown-name",
         ("data=medmnist", "data.loader.name=not_a_set"),
         ("data.loader.name=", "not_a_set", "pathmnist"),
-        slow=True,
     ),
     Case(
         "emnist-bad-split",
         ("data=emnist", "data.loader.split=bad"),
         ("data.loader.split=", "bad", "balanced"),
-        slow=True,
     ),
     Case(
         "test-size-above-one", ("data.loader.test_size=2",), ("data.loader.test_size=2", "between 0 and 1"), slow=True
@@ -329,7 +325,13 @@ PREVIOUS_RUN = {  # what an earlier run (and its user) left in the output dir
     ("args", "expect"),
     [
         pytest.param(("algo=nope",), ("algo=",), id="pre-run-check"),
-        pytest.param(("data=mnist",), ("data=mnist",), id="in-run-check", marks=pytest.mark.slow),
+        pytest.param(("data=mnist",), ("data=mnist",), id="missing-data"),
+        pytest.param(
+            ("partition=shards", "partition.classes_per_client=11"),
+            ("partition.classes_per_client=11",),
+            id="in-run-check",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             ("ckpt_path={run}/checkpoints/last.ckpt",), ("not a readable checkpoint",), id="resume-not-a-ckpt"
         ),

@@ -68,8 +68,18 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {one_line(e)}") from None
     _check_added_keys(user, cfg, config_dir)
     _check_partition(cfg)
+    _check_files(cfg)
     _check_run_dir(overrides, cfg)
     return cfg
+
+
+def _check_files(cfg: DictConfig) -> None:
+    """The dataset's files are where ``data.loader`` will read them (:func:`flx.datamodules.files.locate`)."""
+    from flx.datamodules.files import locate
+
+    loader = OmegaConf.to_container(cfg.data.loader, resolve=True) if OmegaConf.select(cfg, "data.loader") else None
+    if isinstance(loader, dict):
+        locate(loader)
 
 
 def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:

@@ -53,7 +53,12 @@ def test_num_outputs() -> None:
 
 
 def test_build_rejects_one_logit_on_a_multiclass_dataset(tmp_path: Path) -> None:
-    cfg = precheck(["data=digits", "model=logreg", "model.binary_head=one_logit", f"paths.output_dir={tmp_path}"])
+    """Rejected by the pre-run check where the data config states its classes, by ``build`` from the loaded labels
+    where it does not (``data.num_classes=null``)."""
+    args = ["data=digits", "model=logreg", "model.binary_head=one_logit", f"paths.output_dir={tmp_path}"]
+    raises_one_line(precheck, args, match="one_logit needs a binary task (2 classes), the data has 10")
+    cfg = precheck([*args, "data.num_classes=null", "model.binary_head=two_logits"])
+    cfg.model.binary_head = "one_logit"
     raises_one_line(build, cfg, match="one_logit needs a binary task (2 classes), the data has 10")
 
 

@@ -25,7 +25,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from flx.datamodules.formats import _choice, _corrupt, _data_dir, _find_files, _read_bytes
+from flx.datamodules import files
+from flx.datamodules.files import ADULT_FILES as FILES
+from flx.datamodules.files import choice as _choice
+from flx.datamodules.formats import _corrupt, _read_bytes
 from flx.datamodules.store import TensorData
 from flx.errors import ConfigError
 
@@ -56,7 +59,6 @@ GROUPS = {
     "race": ("White", "Black", "Asian-Pac-Islander", "Amer-Indian-Eskimo", "Other"),
 }
 """Group names per ``split_by`` option; a row's group id is the position of its value here."""
-FILES = ("adult.data", "adult.test")
 
 
 class _Table(NamedTuple):
@@ -160,8 +162,7 @@ def adult(root: str, split_by: str = "sex", standardize: bool = True) -> TensorD
         ConfigError: on an unknown ``split_by``, a missing file, or a malformed row (naming the file and line).
     """
     _choice("data.loader.split_by", split_by, list(GROUPS))
-    directory = _data_dir(root) / "adult"
-    found = _find_files("adult", "Adult", directory, FILES, "the UCI files adult.data and adult.test (plain or .gz)")
+    found = files.adult(root)
     train, test = _read_table(found[FILES[0]]), _read_table(found[FILES[1]])
     x_train, x_test = _features(train, test, standardize)
     group_ids = {name: g for g, name in enumerate(GROUPS[split_by])}

@@ -32,24 +32,21 @@ import torch
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
+from flx.datamodules import files
 from flx.datamodules.adult import adult
+from flx.datamodules.files import EMNIST_CLASSES, IDX_NAMES, MEDMNIST_2D
 from flx.datamodules.formats import (
     Split,
     _check_fraction,
     _check_labels,
-    _choice,
     _corrupt,
-    _data_dir,
-    _find_files,
     _idx_dataset,
     _image_data,
     _medmnist_arrays,
-    _medmnist_path,
     _unpickle,
 )
 from flx.datamodules.shakespeare import shakespeare
 from flx.datamodules.store import TensorData
-from flx.errors import bad_value
 
 __all__ = [
     "LOADERS",
@@ -64,27 +61,6 @@ __all__ = [
     "mnist",
     "shakespeare",
 ]
-
-_IDX_NAMES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-_EMNIST_CLASSES = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10, "mnist": 10}
-
-# name -> (number of classes, multi-label)
-_MEDMNIST_2D = {
-    "pathmnist": (9, False),
-    "chestmnist": (14, True),
-    "dermamnist": (7, False),
-    "octmnist": (4, False),
-    "pneumoniamnist": (2, False),
-    "retinamnist": (5, False),  # ordinal regression in the paper; treated as 5 classes
-    "breastmnist": (2, False),
-    "bloodmnist": (8, False),
-    "tissuemnist": (8, False),
-    "organamnist": (11, False),
-    "organcmnist": (11, False),
-    "organsmnist": (11, False),
-}
-_MEDMNIST_SIZES = (28, 64, 128, 224)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,8 +163,7 @@ def mnist(root: str, standardize: bool = True) -> TensorData:
     Raises:
         ConfigError: if the files are missing or corrupt.
     """
-    directory = _data_dir(root) / "MNIST" / "raw"
-    return _image_data(*_idx_dataset("mnist", "MNIST", directory, _IDX_NAMES, 10), 10, "mnist", standardize)
+    return _image_data(*_idx_dataset("mnist", files.mnist(root), IDX_NAMES, 10), 10, "mnist", standardize)
 
 
 def fashion_mnist(root: str, standardize: bool = True) -> TensorData:
@@ -203,8 +178,7 @@ def fashion_mnist(root: str, standardize: bool = True) -> TensorData:
     Raises:
         ConfigError: if the files are missing or corrupt.
     """
-    directory = _data_dir(root) / "FashionMNIST" / "raw"
-    splits = _idx_dataset("fashion_mnist", "FashionMNIST", directory, _IDX_NAMES, 10)
+    splits = _idx_dataset("fashion_mnist", files.fashion_mnist(root), IDX_NAMES, 10)
     return _image_data(*splits, 10, "fashion_mnist", standardize)
 
 
@@ -225,12 +199,9 @@ def emnist(root: str, split: str = "balanced", standardize: bool = True) -> Tens
     Raises:
         ConfigError: on an unknown split or missing / corrupt files.
     """
-    _choice("data.loader.split", split, list(_EMNIST_CLASSES))
-    num_classes = _EMNIST_CLASSES[split]
-    first = 1 if split == "letters" else 0
-    directory = _data_dir(root) / "EMNIST" / "raw"
-    names = [f"emnist-{split}-{name.replace('t10k', 'test')}" for name in _IDX_NAMES]
-    splits = _idx_dataset("emnist", f"EMNIST '{split}'", directory, names, num_classes, first)
+    found = files.emnist(root, split)
+    num_classes, first = EMNIST_CLASSES[split], 1 if split == "letters" else 0
+    splits = _idx_dataset("emnist", found, files.emnist_names(split), num_classes, first)
     train, test = ((x.transpose(0, 1, 3, 2), y) for x, y in splits)  # stored transposed: turn them upright
     return _image_data(train, test, num_classes, f"emnist-{split}", standardize)
 
@@ -241,12 +212,12 @@ def emnist(root: str, split: str = "balanced", standardize: bool = True) -> Tens
 
 
 def _cifar(
-    directory: Path, train_names: Sequence[str], test_name: str, label_key: bytes, num_classes: int, data: str
+    found: dict[str, Path], train_names: Sequence[str], test_name: str, label_key: bytes, num_classes: int, data: str
 ) -> tuple[Split, Split]:
-    """Locates and reads the train and test batch pickles of a CIFAR folder.
+    """Reads the train and test batch pickles of a CIFAR folder.
 
     Args:
-        directory: the pickle folder.
+        found: the pickle files by name (:mod:`flx.datamodules.files`).
         train_names: train batch file names.
         test_name: test batch file name.
         label_key: the labels' key (``b"labels"``, ``b"fine_labels"`` or ``b"coarse_labels"``).
@@ -257,11 +228,8 @@ def _cifar(
         ``(train images, train labels), (test images, test labels)``, as uint8 ``(N, 3, 32, 32)`` and int64 ``(N,)``.
 
     Raises:
-        ConfigError: if a file is missing or corrupt.
+        ConfigError: if a file is corrupt.
     """
-    what = "CIFAR-10" if data == "cifar10" else "CIFAR-100"
-    names = (*train_names, test_name)
-    found = _find_files(data, what, directory, names, f"the python-pickle version: {', '.join(names)}", gz=False)
     splits = []
     for split_names in (train_names, [test_name]):
         images, labels = [], []
@@ -290,9 +258,7 @@ def cifar10(root: str, standardize: bool = True) -> TensorData:
     Raises:
         ConfigError: if the files are missing or corrupt.
     """
-    directory = _data_dir(root) / "cifar-10-batches-py"
-    train_names = [f"data_batch_{i}" for i in range(1, 6)]
-    train, test = _cifar(directory, train_names, "test_batch", b"labels", 10, "cifar10")
+    train, test = _cifar(files.cifar10(root), files.CIFAR10_TRAIN, "test_batch", b"labels", 10, "cifar10")
     return _image_data(train, test, 10, "cifar10", standardize)
 
 
@@ -309,10 +275,9 @@ def cifar100(root: str, label: str = "fine", standardize: bool = True) -> Tensor
     Raises:
         ConfigError: on an unknown ``label`` or missing / corrupt files.
     """
-    _choice("data.loader.label", label, ["fine", "coarse"])
+    found = files.cifar100(root, label)
     num_classes = 100 if label == "fine" else 20
-    directory = _data_dir(root) / "cifar-100-python"
-    train, test = _cifar(directory, ["train"], "test", f"{label}_labels".encode(), num_classes, "cifar100")
+    train, test = _cifar(found, ["train"], "test", f"{label}_labels".encode(), num_classes, "cifar100")
     return _image_data(train, test, num_classes, f"cifar100-{label}", standardize)
 
 
@@ -359,26 +324,6 @@ def _medmnist_labels(labels: np.ndarray, num_classes: int, label_index: int | No
     return labels[:, 0 if label_index is None else label_index]
 
 
-def _check_medmnist_options(name: str, size: int, label_index: int | None, use_val: str) -> None:
-    """Validates the :func:`medmnist` options.
-
-    Raises:
-        ConfigError: on any invalid option.
-    """
-    _choice("data.loader.name", name, list(_MEDMNIST_2D))
-    _choice("data.loader.size", size, _MEDMNIST_SIZES)
-    _choice("data.loader.use_val", use_val, ["drop", "train"])
-    classes, multi_label = _MEDMNIST_2D[name]
-    if not multi_label:
-        if label_index is not None:
-            raise bad_value("data.loader.label_index", label_index, f"{name} is single-label: leave it null")
-        return
-    valid = isinstance(label_index, int) and not isinstance(label_index, bool) and 0 <= label_index < classes
-    if not valid:
-        reason = f"{name} is multi-label: pick a column in 0..{classes - 1}"
-        raise bad_value("data.loader.label_index", label_index, reason)
-
-
 def medmnist(
     root: str,
     name: str = "pathmnist",
@@ -406,10 +351,9 @@ def medmnist(
     Raises:
         ConfigError: on an invalid option or a missing / corrupt file.
     """
-    _check_medmnist_options(name, size, label_index, use_val)
-    classes, multi_label = _MEDMNIST_2D[name]
+    path = files.medmnist(root, name, size, label_index, use_val)  # checks the options first
+    classes, multi_label = MEDMNIST_2D[name]
     num_classes = 2 if multi_label else classes
-    path = _medmnist_path(_data_dir(root), name, size)
     arrays = _medmnist_arrays(path)
     parts = {"train": ["train", "val"] if use_val == "train" else ["train"], "test": ["test"]}
     splits = []

@@ -17,15 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flx.datamodules.files import MEDMNIST_KEYS as _MEDMNIST_KEYS
 from flx.datamodules.store import TensorData
 from flx.errors import ConfigError, bad_value
 
-_NO_DOWNLOAD = "downloads are disabled, place the files there or set paths.data_dir"
-
 _IDX_IMAGES_MAGIC = 0x00000803  # unsigned byte, 3 dimensions
 _IDX_LABELS_MAGIC = 0x00000801  # unsigned byte, 1 dimension
-
-_MEDMNIST_KEYS = ("train_images", "train_labels", "val_images", "val_labels", "test_images", "test_labels")
 
 _PICKLE_ALLOWED = {
     ("numpy", "ndarray"),
@@ -45,38 +42,6 @@ Split = tuple[np.ndarray, np.ndarray]  # (images, labels)
 # ---------------------------------------------------------------------------------------------------------------------
 # errors and option checks
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _data_dir(root: str | Path | None) -> Path:
-    """Resolves the data directory to an absolute path.
-
-    Args:
-        root: the configured data directory.
-
-    Returns:
-        The absolute path.
-
-    Raises:
-        ConfigError: if ``root`` is empty.
-    """
-    if root is None or str(root).strip() == "":
-        raise bad_value("paths.data_dir", root, "must be the directory that holds the datasets")
-    return Path(root).expanduser().resolve()
-
-
-def _not_found(data: str, what: str, where: Path, expected: str) -> ConfigError:
-    """Builds the one-line "dataset not found" error.
-
-    Args:
-        data: the ``data=`` config value (e.g. ``"cifar10"``).
-        what: human name of the dataset.
-        where: absolute path where the files must be.
-        expected: what files, in what format, are expected there.
-
-    Returns:
-        The error to raise.
-    """
-    return ConfigError(f"data={data}: {what} not found at {where} (expected {expected}; {_NO_DOWNLOAD})")
 
 
 def _corrupt(data: str, path: Path, problem: str) -> ConfigError:
@@ -125,53 +90,9 @@ def _check_fraction(key: str, value: float) -> None:
         raise bad_value(key, value, "must be a fraction strictly between 0 and 1")
 
 
-def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
-    """Checks that an option is one of the allowed values.
-
-    Raises:
-        ConfigError: listing the allowed values.
-    """
-    if value not in allowed:
-        raise bad_value(key, value, "must be one of " + ", ".join(str(a) for a in allowed))
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # files and IDX
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _find_files(
-    data: str, what: str, directory: Path, names: Sequence[str], expected: str, gz: bool = True
-) -> dict[str, Path]:
-    """Looks up files by name in a directory, optionally accepting a ``.gz`` variant of each.
-
-    Args:
-        data: the ``data=`` config value.
-        what: human name of the dataset.
-        directory: where to look.
-        names: the plain file names.
-        expected: what files, in what format, are expected there (for the "not found" error).
-        gz: whether ``<name>.gz`` may stand in for ``<name>``.
-
-    Returns:
-        The found paths keyed by plain name.
-
-    Raises:
-        ConfigError: naming the missing files, if any name is found in no accepted form.
-    """
-    found: dict[str, Path] = {}
-    missing: list[str] = []
-    for name in names:
-        candidates = (directory / name, directory / f"{name}.gz") if gz else (directory / name,)
-        for candidate in candidates:
-            if candidate.is_file():
-                found[name] = candidate
-                break
-        else:
-            missing.append(name)
-    if missing:
-        raise _not_found(data, what, directory, f"{expected}; missing {', '.join(missing)}")
-    return found
 
 
 def _read_bytes(path: Path, data: str) -> bytes:
@@ -228,14 +149,13 @@ def _read_idx(path: Path, magic: int, data: str) -> np.ndarray:
 
 
 def _idx_dataset(
-    data: str, what: str, directory: Path, names: Sequence[str], num_classes: int, first: int = 0
+    data: str, found: dict[str, Path], names: Sequence[str], num_classes: int, first: int = 0
 ) -> tuple[Split, Split]:
     """Reads the four IDX files of an MNIST-style dataset.
 
     Args:
         data: the ``data=`` config value.
-        what: human name of the dataset.
-        directory: the ``raw`` directory.
+        found: the files by plain name (:mod:`flx.datamodules.files`).
         names: train images, train labels, test images, test labels (plain names).
         num_classes: number of classes.
         first: the smallest label in the files; labels are shifted so that it becomes 0.
@@ -244,9 +164,8 @@ def _idx_dataset(
         ``(train images (N, 1, H, W) uint8, train labels int64), (test images, test labels)``.
 
     Raises:
-        ConfigError: if a file is missing or corrupt.
+        ConfigError: if a file is corrupt.
     """
-    found = _find_files(data, what, directory, names, f"the IDX files {', '.join(names)} (plain or .gz)")
     splits = []
     for images_name, labels_name in ((names[0], names[1]), (names[2], names[3])):
         images = _read_idx(found[images_name], _IDX_IMAGES_MAGIC, data)[:, None]
@@ -297,15 +216,6 @@ def _unpickle(path: Path, data: str, keys: Sequence[bytes]) -> dict[bytes, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 # MedMNIST .npz
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _medmnist_path(directory: Path, name: str, size: int) -> Path:
-    """Returns the path of a MedMNIST file, raising the "not found" error if it is absent."""
-    path = directory / (f"{name}.npz" if size == 28 else f"{name}_{size}.npz")
-    if not path.is_file():
-        expected = "the medmnist package's .npz with keys " + ", ".join(_MEDMNIST_KEYS)
-        raise _not_found("medmnist", f"MedMNIST '{name}' (size {size})", path, expected)
-    return path
 
 
 def _medmnist_arrays(path: Path) -> dict[str, np.ndarray]:

@@ -14,15 +14,48 @@ from typing import Any
 
 import numpy as np
 
-from flx.datamodules.protocol import _read_json, check_disjoint, index_array
 from flx.errors import bad_value
 
 KEY = "partition.path"
 
 
+# ------------------------------------------------------------------ JSON index files (split and partition files)
+def read_json(path: str, key: str) -> Any:
+    """The parsed JSON file ``path`` (the value of config key ``key``), or a one-line error."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise bad_value(key, path, f"file not found (looked at {file.resolve()})")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_value(key, path, f"not a readable JSON file ({type(e).__name__}: {e})") from None
+
+
+def index_array(value: Any, key: str, path: str, what: str) -> np.ndarray:
+    """A JSON list of non-negative integers as an int64 array, or a one-line error naming ``what``."""
+    ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    if not ok:
+        raise bad_value(key, path, f"{what} must be a list of non-negative integers")
+    return np.asarray(value, dtype=np.int64).reshape(-1)
+
+
+def check_disjoint(arrays: dict[str, np.ndarray], size: int, key: str, path: str) -> None:
+    """Every index below ``size`` and in at most one of the named arrays, or a one-line error."""
+    for name, a in arrays.items():
+        if len(a) and a.max() >= size:
+            raise bad_value(key, path, f"{name} has index {int(a.max())}, out of range (there are {size} rows)")
+    flat = np.concatenate([*arrays.values(), np.empty(0, np.int64)])
+    counts = np.bincount(flat, minlength=size)
+    if len(flat) and counts.max() > 1:
+        row = int(counts.argmax())
+        where = [name for name, a in arrays.items() if row in a]
+        twice = f"{where[0]} twice" if len(where) == 1 else " and ".join(where)
+        raise bad_value(key, path, f"row {row} is listed in {twice}; every row may appear once")
+
+
 def read_partition_file(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each client's ``(train, test)`` rows from ``path`` (structure checked here, ranges in :func:`check_covers`)."""
-    obj = _read_json(path, KEY)
+    obj = read_json(path, KEY)
     clients = obj.get("clients") if isinstance(obj, dict) else None
     if not isinstance(clients, list) or not clients:
         raise bad_value(KEY, path, 'must hold {"clients": [{"train": [...], "test": [...]}, ...]} with >= 1 client')

@@ -23,12 +23,12 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from flx.datamodules.partition_file import check_disjoint, index_array, read_json
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 
@@ -177,45 +177,13 @@ def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol
 
 
 # ------------------------------------------------------------------------------------------------ JSON files
-def _read_json(path: str, key: str) -> Any:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise bad_value(key, path, f"file not found (looked at {file.resolve()})")
-    try:
-        return json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_value(key, path, f"not a readable JSON file ({type(e).__name__}: {e})") from None
-
-
-def index_array(value: Any, key: str, path: str, what: str) -> np.ndarray:
-    """A JSON list of non-negative integers as an int64 array, or a one-line error naming ``what``."""
-    ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-    if not ok:
-        raise bad_value(key, path, f"{what} must be a list of non-negative integers")
-    return np.asarray(value, dtype=np.int64).reshape(-1)
-
-
-def check_disjoint(arrays: dict[str, np.ndarray], size: int, key: str, path: str) -> None:
-    """Every index below ``size`` and in at most one of the named arrays, or a one-line error."""
-    for name, a in arrays.items():
-        if len(a) and a.max() >= size:
-            raise bad_value(key, path, f"{name} has index {int(a.max())}, out of range (there are {size} rows)")
-    flat = np.concatenate([*arrays.values(), np.empty(0, np.int64)])
-    counts = np.bincount(flat, minlength=size)
-    if len(flat) and counts.max() > 1:
-        row = int(counts.argmax())
-        where = [name for name, a in arrays.items() if row in a]
-        twice = f"{where[0]} twice" if len(where) == 1 else " and ".join(where)
-        raise bad_value(key, path, f"row {row} is listed in {twice}; every row may appear once")
-
-
 def read_split_file(path: str, num_train: int, num_test: int) -> dict[str, np.ndarray]:
     """Reads ``{"train": [...], "val": [...], "test": [...]}`` (pool ids; ``val`` and ``test`` optional).
 
     Without ``test`` the loader's test rows (``N..N+M-1``) are the test split, and may not be listed elsewhere.
     """
     key, size = "data.split_file", num_train + num_test
-    obj = _read_json(path, key)
+    obj = read_json(path, key)
     if not isinstance(obj, dict) or "train" not in obj or set(obj) - set(SPLITS):
         raise bad_value(key, path, "must hold a JSON object with 'train' and optional 'val', 'test' lists of row ids")
     rows = {k: index_array(obj.get(k, []), key, path, f"'{k}'") for k in SPLITS}

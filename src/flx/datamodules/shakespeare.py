@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flx.datamodules.formats import _corrupt, _data_dir, _not_found
+from flx.datamodules import files
+from flx.datamodules.formats import _corrupt
 from flx.datamodules.store import TensorData
 from flx.errors import ConfigError, bad_value
 
@@ -97,12 +98,8 @@ def read_leaf(directory: Path) -> UserData:
     Raises:
         ConfigError: if there is no JSON file, a file is malformed, or a user appears in two files.
     """
-    files = sorted(directory.glob("*.json")) if directory.is_dir() else []
-    if not files:
-        expected = "LEAF JSON files *.json with keys users, num_samples, user_data"
-        raise _not_found("shakespeare", "LEAF Shakespeare", directory, expected)
     users: UserData = {}
-    for path in files:
+    for path in files.leaf_json(directory):
         for user, samples in _read_json(path).items():
             if user in users:
                 raise _corrupt("shakespeare", path, f"user {user!r} also appears in an earlier file")
@@ -149,7 +146,7 @@ def shakespeare(root: str, num_users: int | None = None, standardize: bool = Tru
     Raises:
         ConfigError: on a bad ``num_users``, missing or malformed files, or no test sample of a kept user.
     """
-    directory = _data_dir(root) / "shakespeare"
+    directory = files.data_dir(root) / "shakespeare"
     train = read_leaf(directory / "train")
     test = read_leaf(directory / "test")
     users = _kept_users(train, num_users)
