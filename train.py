@@ -26,6 +26,8 @@ def _fail(err: BaseException, status: int = 2) -> None:
 def main(cfg: DictConfig) -> float | None:
     try:
         check_output_dir(cfg.paths.output_dir)
+        if cfg.state_store.backend == "disk":
+            check_output_dir(cfg.state_store.dir, "state_store.dir")
     except ConfigError as err:
         _fail(err)
     from flx.federation import RunFailure

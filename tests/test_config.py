@@ -142,6 +142,11 @@ CASES = [
     Case("precision-unknown", ("trainer.precision=12",), ("trainer.precision=12", "32-true", "bf16-mixed")),
     Case("strategy-unknown", ("trainer.strategy=fsdp",), ("trainer.strategy=", "fsdp", "ddp")),
     Case("devices-2-without-ddp", ("trainer.devices=2",), ("trainer.strategy", "ddp", "2 devices")),
+    Case(
+        "state-store-dir-unwritable",
+        ("state_store.backend=disk", "state_store.dir=/proc/flx"),
+        ("state_store.dir='/proc/flx'", "cannot write there"),
+    ),
     Case("devices-not-a-number", ("trainer.devices=abc",), ("trainer.devices", "abc"), slow=True),
     Case(
         "state-store-backend-unknown", ("state_store.backend=foo",), ("state_store.backend", "foo", "memory"), slow=True

@@ -372,8 +372,9 @@ def _check_run(cfg: DictConfig) -> None:
             raise bad_value(f"trainer.{key}", value, "rounds are set by algo.rounds; leave it unset")
 
 
-def check_output_dir(path: str) -> None:
-    """Raises a one-line :class:`ConfigError` unless files can be created in ``path`` (created if missing)."""
+def check_output_dir(path: str, key: str = "paths.output_dir") -> None:
+    """Raises a one-line :class:`ConfigError` naming ``key`` unless files can be created in ``path`` (created if
+    missing)."""
     import tempfile
 
     try:
@@ -383,8 +384,8 @@ def check_output_dir(path: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        why = f"cannot write there ({e.strerror}); choose another folder (hydra.run.dir=... or paths.output_dir=...)"
-        raise bad_value("paths.output_dir", path, why) from None
+        why = f"cannot write there ({e.strerror}); choose another folder"
+        raise bad_value(key, path, why) from None
 
 
 CLIENT_EVAL = ("holdout", "test_labels", "test_group")
