@@ -340,6 +340,7 @@ PREVIOUS_RUN = {  # what an earlier run (and its user) left in the output dir
         pytest.param(
             ("ckpt_path={run}/checkpoints/last.ckpt",), ("not a readable checkpoint",), id="resume-not-a-ckpt"
         ),
+        pytest.param(("ckpt_path={run}/cnn.ckpt",), ("model._target_",), id="resume-another-model"),
     ],
 )
 def test_bad_command_keeps_existing_output(args: tuple[str, ...], expect: tuple[str, ...], tmp_path: Path) -> None:
@@ -350,6 +351,9 @@ def test_bad_command_keeps_existing_output(args: tuple[str, ...], expect: tuple[
         (run_dir / name).write_bytes(content)
     log = run_dir / "train.log"
     log.write_bytes(b"[earlier run] final test_acc=0.5\n")
+    if any("cnn.ckpt" in a for a in args):  # the case: resuming the folder's run with another model
+        _ckpt_of("model=cnn")(run_dir)
+        (run_dir / "other.ckpt").rename(run_dir / "cnn.ckpt")
 
     rc, out, err = run_train(*(a.replace("{run}", str(run_dir)) for a in args), run_dir=run_dir, data_dir=data)
     assert_one_line_error(rc, out, err, list(expect))
