@@ -449,13 +449,14 @@ class Federation:
         for part in self._hooked["on_client_start"]:
             part.on_client_start(self, client)
         total = self._local_steps(client)
-        # checked before on_client_end too, so parts do not record a faulty client's statistics (scores, losses)
-        if not (torch.isfinite(total) and all_finite(self.local_state)):
+        # checked before on_client_end, so parts do not record a faulty client's statistics (scores, losses), and
+        # after it when parts may have changed the upload
+        if not all_finite([*self.local_state, total]):
             self._leave_out(cid, "dropped")
             return None
         for part in self._hooked["on_client_end"]:
             part.on_client_end(self, client)
-        if not all_finite(self.local_state):  # made non-finite by a part's upload transform
+        if self._hooked["on_client_end"] and not all_finite(self.local_state):
             self._leave_out(cid, "dropped")
             return None
         self.aggregator.update(self.local_state, client.weight * self._weight_scale)
