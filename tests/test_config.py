@@ -25,10 +25,13 @@ PREFIX = "flx: error: "
 
 
 def run_train(*args: str, run_dir: Path, data_dir: Path, timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
-    """Runs ``train.py`` with ``args`` (plus output dir, data dir and ``logger=none``); returns (rc, stdout, stderr)."""
-    cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}", f"paths.data_dir={data_dir}", "logger=none"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("HYDRA_FULL_ERROR", None)
+    """Runs ``train.py`` with ``args`` (plus output dir, data dir and ``logger=none`` unless a logger is given);
+    returns (rc, stdout, stderr). W&B sees no account: no API key, no netrc, HOME in a fresh folder."""
+    logger = [] if any(a.startswith("logger=") for a in args) else ["logger=none"]
+    cmd = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}", f"paths.data_dir={data_dir}", *logger]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "HOME": str(run_dir.parent / "home")}
+    for key in ("HYDRA_FULL_ERROR", "WANDB_MODE", "WANDB_API_KEY", "NETRC"):
+        env.pop(key, None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -180,6 +183,7 @@ CASES = [
         _ckpt_of(),
     ),
     # --- keys that would be ignored or contradict the rounds ---
+    Case("wandb-without-account", ("logger=wandb",), ("logger='wandb'", "wandb login", "WANDB_MODE=offline")),
     Case("added-key-nothing-reads", ("+foo=1",), ("+foo=1", "nothing reads foo")),
     Case(
         "added-algo-key-a-part-takes",

@@ -69,6 +69,7 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
     _check_added_keys(user, cfg, config_dir)
     _check_partition(cfg)
     _check_files(cfg)
+    _check_wandb(cfg)
     _check_run_dir(overrides, cfg)
     return cfg
 
@@ -80,6 +81,23 @@ def _check_files(cfg: DictConfig) -> None:
     loader = OmegaConf.to_container(cfg.data.loader, resolve=True) if OmegaConf.select(cfg, "data.loader") else None
     if isinstance(loader, dict):
         locate(loader)
+
+
+def _check_wandb(cfg: DictConfig) -> None:
+    """``logger=wandb`` needs an account (an API key) unless W&B runs offline; without one wandb raises at fit start."""
+    if "wandb" not in (cfg.get("logger") or {}):
+        return
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    settings = [os.environ.get("NETRC", "~/.netrc"), "~/.config/wandb/settings", "wandb/settings"]
+    for path in (os.path.expanduser(p) for p in settings):
+        if os.path.isfile(path):
+            with open(path, errors="ignore") as f:
+                text = f.read()
+            if "wandb" in text and "machine" in text or "mode = offline" in text or "mode = disabled" in text:
+                return
+    why = "no W&B API key: run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to log locally"
+    raise bad_value("logger", "wandb", why)
 
 
 def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
