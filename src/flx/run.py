@@ -200,7 +200,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             f"flx: requeued after round {trainer.current_epoch}; the job resumes from checkpoints/last.ckpt", flush=True
         )
         return {}
-    results = trainer.test(module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer))
+    results = trainer.test(
+        module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True
+    )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     if trainer.is_global_zero and "test/acc" in metrics:
         print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
