@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 import hydra
@@ -18,7 +19,10 @@ DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPER
 
 
 def _fail(err: BaseException, status: int = 2) -> None:
-    print(f"flx: error: {err}", file=sys.stderr, flush=True)
+    """One line on stderr (from the first process only: under DDP every rank fails alike) and ``status``."""
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK") or "0"
+    if rank == "0":
+        print(f"flx: error: {err}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

@@ -172,3 +172,38 @@ def test_a_linear_net_keeps_single_row_batches() -> None:
         opt.step()
     for a, b in zip(fed.net.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+def test_two_ranks_agree_on_the_dropped_clients() -> None:
+    """On 2 ranks the drop counters ride in the round's one reduce and the ids are gathered only then: both ranks
+    see the same RoundFaults and the 1-rank global model (allclose 1e-6). The collectives are simulated."""
+    data = toy_data([7, 12, 30, 4, 19, 25])
+    kw = dict(clients_per_round=6, local_steps=3, batch_size=5, lr=0.2)
+    single = make_fed(linear(), data, parts=[PoisonClient(3)], **kw)
+    run_rounds(single, 2)
+    buffers: dict[int, torch.Tensor] = {}
+    ranks: list = []
+
+    def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        return sum(buffers.values())
+
+    def gather(obj: object) -> list:  # every rank's object of the same call: the left-out ids or the state updates
+        if isinstance(obj, dict) and set(obj) == {"dropped", "skipped"}:
+            return [fed._left_out for fed in ranks]
+        return [fed._state_updates for fed in ranks]
+
+    for r in (0, 1):
+        fed = make_fed(linear(), data, parts=[PoisonClient(3)], rank=r, world_size=2, reduce_sum=reduce_sum, **kw)
+        fed.gather = gather
+        ranks.append(fed)
+    for t in range(2):
+        for k, fed in enumerate(ranks):
+            for cid in fed.begin_round(t).shard:
+                fed.train_client(cid)
+            buffers[k] = fed.aggregator._flat.clone()
+        for fed in ranks:
+            fed.end_round()
+    assert ranks[0].faults == ranks[1].faults == single.faults == RoundFaults(dropped=(3,), skipped=())
+    for fed in ranks:
+        for a, b in zip(fed.net.parameters(), single.net.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
