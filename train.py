@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> float | None:
             check_output_dir(cfg.state_store.dir, "state_store.dir")
     except ConfigError as err:
         _fail(err)
-    from flx.federation import RunFailure
+    from flx.faults import RunFailure
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
 
     try:

@@ -22,7 +22,8 @@ from torch import nn
 
 from flx.callbacks.base import FederatedCallback
 from flx.datamodules.datamodule import ClientStore
-from flx.federation import ClientFault, Diverged, RoundFaults, derive_seed, local_batches
+from flx.faults import ClientFault, Diverged, RoundFaults
+from flx.federation import derive_seed, local_batches
 
 
 class PoisonClient(FederatedCallback):

@@ -18,8 +18,6 @@ gives the same model on 1 process or on N.
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from torch import Tensor, nn
 
 from flx.aggregation import ReduceFn, WeightedMean
 from flx.callbacks.base import HOOKS, FederatedCallback, overrides
+from flx.faults import RoundFaults, all_finite, check_global_model, judge
 from flx.server import ServerOptConfig, ServerOptimizer
 from flx.state import ClientStateStore, ServerState
 
@@ -79,27 +78,6 @@ class FederationConfig:
     single_row_batch: str = "auto"
 
 
-class RunFailure(RuntimeError):
-    """A run that cannot go on: reported as one line and a non-zero exit (``train.py``), never as a result."""
-
-
-class Diverged(RunFailure):
-    """The global model, its loss, or every update of a round is not finite."""
-
-
-class ClientFault(RunFailure):
-    """A client's loss or update is not finite and ``fault.policy=stop``."""
-
-
-@dataclass(frozen=True)
-class RoundFaults:
-    """What the round left out, identical on every rank: ``dropped`` (non-finite loss or update) and ``skipped``
-    (no usable rows) client ids."""
-
-    dropped: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
-
-
 @dataclass(frozen=True)
 class RoundContext:
     """Read-only facts about the current round, handed to parts."""
@@ -144,17 +122,6 @@ def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
     """In-place list copy (``_foreach_copy_`` rejects empty lists, e.g. a net without buffers)."""
     if dst:
         torch._foreach_copy_(dst, list(src))
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite: one max-abs reduction per tensor, then one host sync on an
-    accelerator (on the CPU reading each maximum is cheaper than stacking them)."""
-    if not tensors:
-        return True
-    norms = torch._foreach_norm(list(tensors), float("inf"))
-    if norms[0].is_cpu:
-        return all(math.isfinite(n.item()) for n in norms)
-    return bool(torch.stack(norms).isfinite().all())
 
 
 def derive_seed(*words: int) -> int:
@@ -348,41 +315,18 @@ class Federation:
             _copy(self.params, self.global_params)
             _copy(self.float_buffers, [m.to(b.dtype) for b, m in zip(self.float_buffers, mean[n:])])
             _copy(self.other_buffers, self.global_other)
-        if not all_finite(self.local_state):
-            raise Diverged(
-                f"diverged in round {self.rnd.round + 1}: the global model is not finite after the server step; "
-                f"lower algo.lr (now {self.cfg.lr:g}) or algo.server.lr (now {self.cfg.server.lr:g})"
-            )
+        check_global_model(self.local_state, self.rnd.round + 1, self.cfg)
 
     def _round_faults(self) -> RoundFaults:
-        """The round's dropped / skipped client ids on every rank (gathered only when the counters say so)."""
-        dropped, skipped, _ = (int(c) for c in self.aggregator.extra.tolist())
+        """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
+        by the fault policy (:func:`flx.faults.judge`)."""
+        dropped, skipped, aggregated = (int(c) for c in self.aggregator.extra.tolist())
         mine = self._left_out
         if (dropped or skipped) and self.world_size > 1 and self.gather is not None:
             everyone = self.gather(mine)
             mine = {k: [c for part in everyone for c in part[k]] for k in mine}
         faults = RoundFaults(tuple(sorted(mine["dropped"])), tuple(sorted(mine["skipped"])))
-        r = self.rnd.round + 1
-        if faults.dropped and self.cfg.fault_policy == "stop":
-            raise ClientFault(
-                f"round {r}: client {faults.dropped[0]} has a non-finite loss or update (fault.policy=stop); "
-                f"lower algo.lr (now {self.cfg.lr:g}) or use fault.policy=drop"
-            )
-        if faults.dropped and self.aggregator.extra[2] == 0:
-            raise Diverged(
-                f"diverged in round {r}: every client's loss or update is not finite "
-                f"({len(faults.dropped)} of {len(faults.dropped) + len(faults.skipped)} dropped); "
-                f"lower algo.lr (now {self.cfg.lr:g})"
-            )
-        if faults.dropped and self.rank == 0:
-            ids = ", ".join(str(c) for c in faults.dropped)
-            print(
-                f"flx: warning: round {r}: dropped {len(faults.dropped)} of {len(self.rnd.cohort)} clients "
-                f"({ids}): non-finite loss or update (fault.policy=drop)",
-                file=sys.stderr,
-                flush=True,
-            )
-        return faults
+        return judge(faults, aggregated, len(self.rnd.cohort), self.rnd.round + 1, self.cfg, warn=self.rank == 0)
 
     def _share_client_states(self) -> None:
         """Under N processes, every rank's store receives the client states updated on the other ranks.

@@ -22,7 +22,8 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from flx.callbacks.base import FederatedCallback
-from flx.federation import Diverged, Federation
+from flx.faults import Diverged
+from flx.federation import Federation
 from flx.loop import IDLE
 from flx.metrics.auc import AUROCs
 from flx.metrics.client_summary import PerClientAccuracy, summarize
