@@ -68,7 +68,8 @@ def _ckpt_of(*overrides: str) -> Callable[[Path], None]:
     def setup(tmp: Path) -> None:
         import torch
 
-        from flx.config import fingerprint, precheck
+        from flx.config import precheck
+        from flx.resume import fingerprint
 
         flx = {"round": 3, "server_opt": {}, "store": {"clients": {}}, "fingerprint": fingerprint(precheck(overrides))}
         torch.save({"state_dict": {}, "flx": flx}, tmp / "other.ckpt")

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value, not_binary
 from flx.models.head_spec import num_outputs
+from flx.resume import check_ckpt, flatten
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
@@ -140,7 +141,7 @@ def _check_added_keys(overrides: Sequence[str], cfg: DictConfig, config_dir: str
         if _inside_target(cfg, key) or "${" + key + "}" in text:
             continue
         leaf = key.rsplit(".", 1)[-1]
-        same = [k for k in _flatten(OmegaConf.to_container(cfg, resolve=False)) if k.endswith(f".{leaf}") and k != key]
+        same = [k for k in flatten(OmegaConf.to_container(cfg, resolve=False)) if k.endswith(f".{leaf}") and k != key]
         hint = f"; did you mean {' or '.join(same[:3])}?" if same else ""
         raise ConfigError(f"+{key}={value}: nothing reads {key}, so it would be ignored{hint}")
 
@@ -262,66 +263,6 @@ def _check_trainer(cfg: DictConfig) -> None:
         raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")
     if cfg.algo.clients_per_round < world:
         raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, f"must be >= the world size ({world})")
-
-
-def fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """What a checkpoint must agree with to be resumed under ``cfg``: the model, the algorithm and its parts, the
-    server optimizer, the data and its partition, and the seed. Hyper-parameters that may change on resume (rounds,
-    learning rates, evaluation) and where files live are not part of it. Plain types only (weights-only loadable)."""
-
-    def plain(key: str) -> Any:
-        value = OmegaConf.select(cfg, key)
-        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-    data = {k: v for k, v in (plain("data") or {}).items() if k not in ("eval_batch_size", "name")}
-    data.get("loader", {}).pop("root", None)  # the same files may move
-    parts = plain("algo.parts") or {}
-    return {
-        "model": plain("model"),
-        "algo.name": plain("algo.name"),
-        "algo.parts": {name: (p or {}).get("_target_") for name, p in parts.items() if p is not None},
-        "algo.server.name": plain("algo.server.name"),
-        "data.name": plain("data.name"),
-        "data": data,
-        "partition": plain("partition"),
-        "seed": plain("seed"),
-    }
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out |= _flatten(v, key) if isinstance(v, dict) and v else {key: v}
-    return out
-
-
-def check_ckpt(cfg: DictConfig, path: str) -> None:
-    """Raises a one-line :class:`ConfigError` unless ``path`` is a flx checkpoint written for this config.
-
-    Loaded weights-only and memory-mapped: only the small ``flx.fingerprint`` entry is read.
-    """
-    import torch  # only here: keeps the pre-run check free of the torch import when no checkpoint is given
-
-    try:
-        ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise bad_value("ckpt_path", path, f"not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "flx" not in ckpt:
-        raise bad_value("ckpt_path", path, "not a flx Lightning checkpoint (no 'state_dict'/'flx' entries)")
-    saved = ckpt["flx"].get("fingerprint")
-    if not saved:
-        raise bad_value("ckpt_path", path, "written by an older flx without a config fingerprint: cannot check it")
-    mine, theirs = _flatten(fingerprint(cfg)), _flatten(saved)
-    diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
-    if diff:
-        shown = "; ".join(
-            f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in diff[:2]
-        )
-        more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
-        raise bad_value("ckpt_path", path, f"written for another run: {shown}{more}; resume with the same settings")
 
 
 def _check_ckpt(cfg: DictConfig) -> None:

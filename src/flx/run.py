@@ -24,13 +24,14 @@ from flx import loop
 from flx.callbacks.base import FederatedCallback
 from flx.callbacks.checkpoint import LAST, slurm_job_id
 from flx.checkpoint_io import AtomicCheckpointIO
-from flx.config import check_ckpt, data_protocol, fingerprint, validate
+from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value
 from flx.federation import Federation, FederationConfig
 from flx.models import heads
 from flx.models.init import init_weights
 from flx.models.module import FederatedModule
+from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 

@@ -46,7 +46,7 @@ class FederatedModule(pl.LightningModule):
         federation: the round protocol.
         num_classes: number of classes ``C``.
         num_clients: number of clients (for per-client metrics).
-        fingerprint: what a checkpoint of this run must agree with to be resumed (:func:`flx.config.fingerprint`);
+        fingerprint: what a checkpoint of this run must agree with to be resumed (:func:`flx.resume.fingerprint`);
             saved in every checkpoint.
     """
 

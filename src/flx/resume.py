@@ -1,0 +1,76 @@
+"""What a checkpoint must agree with to be resumed: the config fingerprint stored in every flx checkpoint.
+
+A checkpoint of another model, algorithm, set of parts, data, partition or seed cannot continue this run: resuming
+it would fail deep inside ``load_state_dict`` or, worse, silently continue with the wrong state (a FedAdam or DRFA
+checkpoint resumed as FedAvg). :func:`check_ckpt` compares the stored fingerprint with the config's before the run
+starts and names the differences in one line. Only ``omegaconf`` at import time: the pre-run check stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from flx.errors import bad_value
+
+
+def fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed under ``cfg``: the model, the algorithm and its parts, the
+    server optimizer, the data and its partition, and the seed. Hyper-parameters that may change on resume (rounds,
+    learning rates, evaluation) and where files live are not part of it. Plain types only (weights-only loadable)."""
+
+    def plain(key: str) -> Any:
+        value = OmegaConf.select(cfg, key)
+        return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+    data = {k: v for k, v in (plain("data") or {}).items() if k not in ("eval_batch_size", "name")}
+    data.get("loader", {}).pop("root", None)  # the same files may move
+    parts = plain("algo.parts") or {}
+    return {
+        "model": plain("model"),
+        "algo.name": plain("algo.name"),
+        "algo.parts": {name: (p or {}).get("_target_") for name, p in parts.items() if p is not None},
+        "algo.server.name": plain("algo.server.name"),
+        "data.name": plain("data.name"),
+        "data": data,
+        "partition": plain("partition"),
+        "seed": plain("seed"),
+    }
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"a.b.c": leaf}``."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out |= flatten(v, key) if isinstance(v, dict) and v else {key: v}
+    return out
+
+
+def check_ckpt(cfg: DictConfig, path: str) -> None:
+    """Raises a one-line :class:`ConfigError` unless ``path`` is a flx checkpoint written for this config.
+
+    Loaded weights-only and memory-mapped: only the small ``flx.fingerprint`` entry is read.
+    """
+    import torch  # only here: keeps the pre-run check free of the torch import when no checkpoint is given
+
+    try:
+        ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise bad_value("ckpt_path", path, f"not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "flx" not in ckpt:
+        raise bad_value("ckpt_path", path, "not a flx Lightning checkpoint (no 'state_dict'/'flx' entries)")
+    saved = ckpt["flx"].get("fingerprint")
+    if not saved:
+        raise bad_value("ckpt_path", path, "written by an older flx without a config fingerprint: cannot check it")
+    mine, theirs = flatten(fingerprint(cfg)), flatten(saved)
+    diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if diff:
+        shown = "; ".join(
+            f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in diff[:2]
+        )
+        more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
+        raise bad_value("ckpt_path", path, f"written for another run: {shown}{more}; resume with the same settings")
