@@ -122,3 +122,15 @@ class PoisonFrom(FederatedCallback):
         if rnd.round >= self.every or (rnd.round == self.one and client.cid == min(rnd.cohort)):
             with torch.no_grad():
                 fed.params[0].view(-1)[0] = float("nan")
+
+
+class SleepPerRound(FederatedCallback):
+    """Test callback: sleeps ``seconds`` at every round start, so that an outside signal lands mid-run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_round_start(self, fed: Federation, rnd: object) -> None:
+        import time
+
+        time.sleep(self.seconds)

@@ -192,3 +192,45 @@ def test_full_disk_and_read_only_folder_give_one_line(tmp_path: Path) -> None:
         assert lines[0].startswith(f"flx: error: hydra.run.dir='{ro / 'run'}'") and "not writable" in lines[0]
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+
+
+def test_real_slurm_job_requeues_itself_and_resumes(default_run, tmp_path: Path) -> None:
+    """A one-node SLURM cluster on localhost (started by the test; tests/slurm_cluster.py) runs a requeueable job
+    with the default config, slowed to ~0.4 s a round. Once round 3's checkpoint is on disk, `scancel --signal=USR1`
+    (what `--signal=USR1@120` sends before the time limit) reaches the training step: it finishes its round,
+    checkpoints, requeues the job and stops; SLURM restarts the job (SLURM_RESTART_COUNT=1), whose `ckpt_path=auto`
+    resumes in the same folder and ends with the uninterrupted run's model, bitwise."""
+    from slurm_cluster import slurm_cluster
+
+    run_dir, log, script = tmp_path / "run", tmp_path / "job.out", tmp_path / "job.sbatch"
+    slow = "+callbacks.slow._target_=helpers.SleepPerRound +callbacks.slow.seconds=0.4"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH -n 1\n#SBATCH -o {log}\n#SBATCH --open-mode=append\n#SBATCH --requeue\n"
+        f"cd {ROOT}\n"
+        'echo "start restart=${SLURM_RESTART_COUNT:-0}"\n'
+        f"export PYTHONPATH={ROOT / 'tests'} PYTHONWARNINGS=ignore\n"
+        f"srun {sys.executable} train.py {' '.join(QUIET)} hydra.run.dir={run_dir} ckpt_path=auto {slow}\n"
+    )
+    with slurm_cluster(tmp_path / "slurm") as env:
+        submit = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True)
+        assert submit.returncode == 0, submit.stderr
+        job = submit.stdout.strip().split(";")[0]
+        _wait_for(lambda: (run_dir / "checkpoints" / "round_00003.ckpt").exists(), 180, "round 3's checkpoint")
+        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
+        _wait_for(lambda: log.exists() and "final test_acc" in log.read_text(), 300, "the requeued job to finish")
+    text = log.read_text()
+    assert "start restart=0" in text and "start restart=1" in text, text[-3000:]
+    assert "flx: requeued after round" in text, text[-3000:]
+    assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(run_dir / "checkpoints" / "last.ckpt"))

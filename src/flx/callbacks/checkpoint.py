@@ -95,7 +95,8 @@ class RoundCheckpoint(Checkpoint):
             signal.signal(self.requeue_signal, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        log.warning("flx: received %s: the run stops after this round's checkpoint and is requeued", signum)
+        name = signal.Signals(signum).name
+        log.warning("flx: received %s: the run stops after this round's checkpoint and is requeued", name)
         self._signalled = True
 
     @override
