@@ -196,10 +196,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     dm, module, trainer = build(cfg)
     save_config(cfg, dm)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    if getattr(trainer.checkpoint_callback, "requeued", False):
-        print(
-            f"flx: requeued after round {trainer.current_epoch}; the job resumes from checkpoints/last.ckpt", flush=True
-        )
+    if getattr(trainer.checkpoint_callback, "requeued", False):  # the callback said so before asking SLURM
         return {}
     results = trainer.test(
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True

@@ -170,6 +170,13 @@ class RoundCheckpoint(Checkpoint):
     def _requeue(self, trainer: pl.Trainer) -> None:
         self.requeued, trainer.should_stop = True, True
         job = slurm_job_id()
+        if trainer.is_global_zero:
+            # printed before `scontrol requeue`: SLURM kills the job step soon after it, and a message printed after
+            # fit returns would often be lost
+            print(
+                f"flx: requeued after round {trainer.current_epoch + 1}; the job resumes from checkpoints/last.ckpt",
+                flush=True,
+            )
         if trainer.is_global_zero and job is not None:
             result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
             if result.returncode != 0:
