@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flx.callbacks.base import FederatedCallback
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.federation import Federation, FederationConfig
+from flx.hooks import FederatedCallback
 
 
 def toy_data(sizes: Sequence[int], dim: int = 5, classes: int = 3, seed: int = 0, dtype=torch.float32) -> ClientStore:

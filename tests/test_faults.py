@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
-from flx.callbacks.base import FederatedCallback
 from flx.datamodules.datamodule import ClientStore
 from flx.faults import ClientFault, Diverged, RoundFaults
 from flx.federation import derive_seed, local_batches
+from flx.hooks import FederatedCallback
 
 
 class PoisonClient(FederatedCallback):

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from helpers import full_batch_gd, linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
-from flx.callbacks.base import FederatedCallback
 from flx.federation import derive_seed, local_batches, shard_greedy, uniform_cohort
+from flx.hooks import FederatedCallback
 
 
 def test_one_client_fedavg_equals_centralised_sgd() -> None:

@@ -16,8 +16,8 @@ import torch
 from omegaconf import DictConfig
 from sklearn.metrics import roc_auc_score
 
-from flx.callbacks.base import FederatedCallback
 from flx.config import precheck
+from flx.hooks import FederatedCallback
 from flx.run import build, train
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,9 @@
-"""Aggregators: weighted sums in one preallocated flat buffer, reduced with one collective per round.
+"""Aggregators: what the round's uploads become, accumulated in one preallocated flat buffer, one collective a round.
 
-Shaped like torchmetrics metrics: declared state (a flat sum buffer and a weight), ``update`` once per
-client, ``sync`` once per round (a single all-reduce over the whole flat buffer), ``compute`` once.
+Shaped like torchmetrics metrics: declared state (a flat buffer), ``update`` once per client, ``sync`` once per round
+(a single all-reduce over the whole flat buffer), ``compute`` once. The buffer ends with ``extra`` scalars that the
+federation lends to its counters and to the parts' registered statistics, so they ride in the same collective.
+``algo.aggregator`` picks one of :data:`AGGREGATORS`:
 
 .. math::
     \\bar w = \\frac{\\sum_{i \\in P} p_i w_i}{\\sum_{i \\in P} p_i}
@@ -9,6 +11,10 @@ client, ``sync`` once per round (a single all-reduce over the whole flat buffer)
 
     \\bar w[k] = \\frac{\\sum_{i:\\,k \\in I_i} w_i[k]}{|\\{i : k \\in I_i\\}|}
     \\qquad\\text{(count mean over index sets } I_i\\text{; entries no client touched keep their old value)}
+
+    \\bar w = \\frac{\\sum_{i \\in P} u_i}{\\sum_{i \\in P} p_i}
+    \\qquad\\text{(ADMM server sum: } u_i = y_i + \\rho_i \\theta_i,\\ p_i = \\rho_i
+    \\text{; AugFL Eq. 13 without } \\lambda G\\text{)}
 """
 
 from __future__ import annotations
@@ -35,41 +41,63 @@ def buffer_dtype(like: Sequence[Tensor]) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in like) else torch.float32
 
 
-class WeightedMean:
-    """Weighted mean of a list of tensors over clients, accumulated in one flat buffer.
+class _FlatBuffer:
+    """``regions`` tensor-list views plus ``extra`` scalars in one zero-initialised flat buffer."""
 
-    Args:
-        like: tensors giving the shapes (and device) of what clients contribute.
-        extra: number of scalar counters (``self.extra``) summed over ranks in the same collective.
-    """
-
-    def __init__(self, like: Sequence[Tensor], extra: int = 0) -> None:
+    def __init__(self, like: Sequence[Tensor], regions: int, extra: int, dtype: torch.dtype | None) -> None:
         numel = sum(t.numel() for t in like)
         device = like[0].device if like else torch.device("cpu")
-        # layout: [sums | weight sum | extra counters]
-        self._flat = torch.zeros(numel + 1 + extra, dtype=buffer_dtype(like), device=device)
-        self._sums = flat_views(self._flat[:numel], like)
-        self._weight = self._flat[numel : numel + 1]
-        self.extra = self._flat[numel + 1 :]
+        self._flat = torch.zeros(regions * numel + extra, dtype=dtype or buffer_dtype(like), device=device)
+        self._regions = [flat_views(self._flat[k * numel : (k + 1) * numel], like) for k in range(regions)]
+        self.extra = self._flat[regions * numel :]
 
-    def reset(self) -> None:
+    def reset(self, expected_weight: float = 1.0) -> None:
+        """Zeroes the buffer at a round start; ``expected_weight`` is the round's total weight if every client
+        contributes (the weighted mean adds its weights pre-divided by it)."""
         self._flat.zero_()
-
-    def update(self, tensors: Sequence[Tensor], weight: float) -> None:
-        """Adds ``weight * tensors`` to the sums."""
-        torch._foreach_add_(self._sums, [t.detach() for t in tensors], alpha=float(weight))
-        self._weight += weight
 
     def sync(self, reduce_sum: ReduceFn | None) -> None:
         """One collective: all-reduce (sum) the whole buffer across ranks."""
         if reduce_sum is not None:
             self._flat.copy_(reduce_sum(self._flat))
 
+
+class WeightedMean(_FlatBuffer):
+    """Weighted mean of a list of tensors over clients (``algo.aggregator=mean``).
+
+    Weights are added pre-divided by the round's expected total (``reset(expected_weight)``), so the sums stay near 1
+    and a single client's "mean" is its model exactly.
+
+    Args:
+        like: tensors giving the shapes (and device) of what clients contribute.
+        extra: number of scalars (``self.extra``) summed over ranks in the same collective.
+        dtype: the buffer's dtype (default: fp32, or fp64 when a ``like`` tensor is fp64).
+    """
+
+    def __init__(self, like: Sequence[Tensor], extra: int = 0, dtype: torch.dtype | None = None) -> None:
+        # layout: [sums | weight sum | extra]
+        super().__init__(like, 1, 1 + extra, dtype)
+        self._sums, self._weight, self.extra = self._regions[0], self.extra[:1], self.extra[1:]
+        self._scale = 1.0
+
+    def reset(self, expected_weight: float = 1.0) -> None:
+        super().reset()
+        self._scale = 1.0 / expected_weight if expected_weight > 0 else 1.0
+
+    def update(self, tensors: Sequence[Tensor], weight: float, masks: Sequence[Tensor] | None = None) -> None:
+        """Adds ``weight * tensors`` to the sums."""
+        if masks is not None:
+            raise ValueError("client.masks need algo.aggregator=count_mean (the weighted mean averages every entry)")
+        w = float(weight) * self._scale
+        torch._foreach_add_(self._sums, [t.detach() for t in tensors], alpha=w)
+        self._weight += w
+
     @property
     def total_weight(self) -> float:
+        """The weight sum (pre-divided by the expected weight: 1 when every client contributed as expected)."""
         return float(self._weight)
 
-    def compute(self) -> list[Tensor]:
+    def compute(self, previous: Sequence[Tensor] = ()) -> list[Tensor]:
         """The weighted means (views into the buffer; valid until the next ``reset``)."""
         total = self._weight[0]
         if float(total) <= 0:
@@ -78,34 +106,68 @@ class WeightedMean:
         return self._sums
 
 
-class CountMean:
-    """Per-entry mean over the clients whose index set covers the entry (count-averaging).
+class CountMean(_FlatBuffer):
+    """Per-entry mean over the clients whose 0/1 mask covers the entry (``algo.aggregator=count_mean``).
 
-    A client contributes ``tensors`` with 0/1 ``masks`` of the same shapes; an entry is the mean of the
-    contributions of the clients whose mask covers it, and keeps ``previous`` where no mask does.
-    Sums and counts live in one flat buffer, so ``sync`` is still one collective.
+    A client contributes ``tensors`` with ``masks`` of the same shapes (None: every entry); an entry is the mean of
+    the contributions of the clients whose mask covers it, and keeps ``previous`` where no mask does. Unweighted
+    (WHALE-FL Eq. 1, HeteroFL), or weighted by the clients' weights with ``weighted=True``. Sums and counts live in
+    one flat buffer, so ``sync`` is still one collective.
     """
 
-    def __init__(self, like: Sequence[Tensor]) -> None:
-        numel = sum(t.numel() for t in like)
-        device = like[0].device if like else torch.device("cpu")
-        self._flat = torch.zeros(2 * numel, dtype=buffer_dtype(like), device=device)
-        self._sums = flat_views(self._flat[:numel], like)
-        self._counts = flat_views(self._flat[numel:], like)
+    def __init__(
+        self, like: Sequence[Tensor], extra: int = 0, dtype: torch.dtype | None = None, weighted: bool = False
+    ) -> None:
+        super().__init__(like, 2, extra, dtype)
+        self._sums, self._counts = self._regions
+        self.weighted = weighted
 
-    def reset(self) -> None:
-        self._flat.zero_()
-
-    def update(self, tensors: Sequence[Tensor], masks: Sequence[Tensor]) -> None:
-        torch._foreach_add_(self._sums, torch._foreach_mul([t.detach() for t in tensors], list(masks)))
-        torch._foreach_add_(self._counts, list(masks))
-
-    def sync(self, reduce_sum: ReduceFn | None) -> None:
-        if reduce_sum is not None:
-            self._flat.copy_(reduce_sum(self._flat))
+    def update(self, tensors: Sequence[Tensor], weight: float = 1.0, masks: Sequence[Tensor] | None = None) -> None:
+        w = float(weight) if self.weighted else 1.0
+        tensors = [t.detach() for t in tensors]
+        if masks is None:
+            torch._foreach_add_(self._sums, tensors, alpha=w)
+            torch._foreach_add_(self._counts, w)
+            return
+        masks = [m.to(s.dtype) for m, s in zip(masks, self._sums)]
+        torch._foreach_add_(self._sums, torch._foreach_mul(tensors, masks), alpha=w)
+        torch._foreach_add_(self._counts, masks, alpha=w)
 
     def compute(self, previous: Sequence[Tensor]) -> list[Tensor]:
         out = []
         for s, c, prev in zip(self._sums, self._counts, previous):
-            out.append(torch.where(c > 0, s / c.clamp_min(1), prev.to(s.dtype)))
+            out.append(torch.where(c > 0, s / c.clamp_min(torch.finfo(s.dtype).tiny), prev.to(s.dtype)))
         return out
+
+
+class AdmmSum(_FlatBuffer):
+    """``sum_i u_i / sum_i p_i``: uploads added unweighted, weights summed apart (``algo.aggregator=admm_sum``).
+
+    The ADMM server step of AugFL (Eq. 13): a client uploads ``u_i = y_i + rho_i theta_i`` with weight ``rho_i``; a
+    part subtracts ``lambda G / sum rho`` in ``on_server_step`` (``total_weight`` is ``sum rho``).
+    """
+
+    def __init__(self, like: Sequence[Tensor], extra: int = 0, dtype: torch.dtype | None = None) -> None:
+        super().__init__(like, 1, 1 + extra, dtype)
+        self._sums, self._weight, self.extra = self._regions[0], self.extra[:1], self.extra[1:]
+
+    def update(self, tensors: Sequence[Tensor], weight: float, masks: Sequence[Tensor] | None = None) -> None:
+        if masks is not None:
+            raise ValueError("client.masks need algo.aggregator=count_mean")
+        torch._foreach_add_(self._sums, [t.detach() for t in tensors])
+        self._weight += float(weight)
+
+    @property
+    def total_weight(self) -> float:
+        return float(self._weight)
+
+    def compute(self, previous: Sequence[Tensor] = ()) -> list[Tensor]:
+        total = self._weight[0]
+        if float(total) <= 0:
+            raise RuntimeError("AdmmSum.compute() with zero total weight: no client contributed this round")
+        torch._foreach_div_(self._sums, total)
+        return self._sums
+
+
+Aggregator = WeightedMean | CountMean | AdmmSum
+AGGREGATORS: dict[str, type[Aggregator]] = {"mean": WeightedMean, "count_mean": CountMean, "admm_sum": AdmmSum}

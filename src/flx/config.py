@@ -214,8 +214,9 @@ def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    for key in ("algo.rounds", "algo.clients_per_round", "algo.local_steps", "algo.batch_size"):
+    for key in ("algo.rounds", "algo.clients_per_round", "algo.batch_size"):
         _int(cfg, key, 1)
+    _int(cfg, "algo.local_steps", 0)  # 0 only with a part that replaces the local steps: checked in run.build
     if cfg.algo.get("local_epochs") is not None:
         _int(cfg, "algo.local_epochs", 1)
     _check(cfg, "algo.lr", lambda v: v > 0, "must be > 0")
@@ -227,6 +228,8 @@ def _check_algo(cfg: DictConfig) -> None:
         raise bad_value("algo.weighting", cfg.algo.weighting, "allowed: num_samples, uniform")
     if cfg.algo.get("duplicates", "multiplicity") not in DUPLICATES:
         raise bad_value("algo.duplicates", cfg.algo.duplicates, f"allowed: {', '.join(DUPLICATES)}")
+    if cfg.algo.get("aggregator", "mean") not in AGGREGATORS:
+        raise bad_value("algo.aggregator", cfg.algo.aggregator, f"allowed: {', '.join(AGGREGATORS)}")
     if cfg.algo.server.name not in ("sgd", "adam"):
         raise bad_value("algo.server.name", cfg.algo.server.name, "allowed: sgd, adam")
     if cfg.partition.get("num_clients") is None and "path" in cfg.partition.keys():
@@ -356,6 +359,8 @@ FAULT_POLICIES = ("drop", "stop")
 SINGLE_ROW_BATCH = ("auto", "drop", "keep")
 """Local minibatches of one row (``algo.single_row_batch``); see :func:`flx.federation.local_batches`."""
 DUPLICATES = ("multiplicity", "repeat")
+AGGREGATORS = ("mean", "count_mean", "admm_sum")
+"""``algo.aggregator``: :data:`flx.aggregation.AGGREGATORS` (named here so the precheck imports no torch)."""
 """How a client drawn ``k`` times in one cohort trains (``algo.duplicates``); see :class:`flx.federation.Federation`."""
 
 

@@ -19,103 +19,26 @@ gives the same model on 1 process or on N.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flx.aggregation import ReduceFn, WeightedMean
-from flx.callbacks.base import HOOKS, FederatedCallback, overrides
+from flx import autodiff
+from flx.aggregation import AGGREGATORS, ReduceFn, buffer_dtype, flat_views
+from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
 from flx.faults import RoundFaults, all_finite, check_global_model, judge
-from flx.server import ServerOptConfig, ServerOptimizer
+from flx.hooks import HOOKS, FederatedCallback, overrides
+from flx.server import ServerOptimizer
 from flx.state import ClientStateStore, ServerState
 
+__all__ = ["ClientContext", "ClientData", "Federation", "FederationConfig", "RoundContext", "derive_seed"]
+
 _SAMPLE_TAG = 0x5A  # distinguishes the cohort stream from client streams in the seed sequence
-
-
-@dataclass(frozen=True)
-class FederationConfig:
-    """Round-protocol hyper-parameters (``algo.*``).
-
-    Attributes:
-        rounds: communication rounds ``T``.
-        clients_per_round: cohort size ``m``.
-        local_steps: local minibatch steps ``K`` (ignored when ``local_epochs`` is set).
-        local_epochs: if set, ``K = local_epochs * ceil(n_i / batch_size)`` per client.
-        lr: local step size ``eta``.
-        batch_size: local minibatch size ``B``.
-        momentum: local SGD momentum (reset for every client).
-        weight_decay: local L2 weight decay.
-        weighting: aggregation weight ``p_i``: ``num_samples`` (FedAvg, ``n_i``) or ``uniform``.
-        duplicates: a client drawn ``k`` times in one cohort (samplers with replacement): ``multiplicity`` trains
-            it once with weight ``k p_i``; ``repeat`` runs ``k`` independent local trainings from ``w^t``, each
-            with weight ``p_i`` and its own random stream (copy ``j``: ``derive_seed(seed, t, i, j)`` for
-            ``j >= 1``, copy 0 keeps ``derive_seed(seed, t, i)``), so the mean is over the ``m`` draws.
-        seed: the run seed.
-        server: server optimizer parameters.
-        fault_policy: a client whose loss or update is not finite is ``drop``-ped from the round (counted, warned)
-            or ``stop``-s the run (:class:`ClientFault`).
-        single_row_batch: ``drop`` a local minibatch of one row (the last of a pass; a client with one row is then
-            skipped), ``keep`` it, or ``auto``: drop when the net has BatchNorm layers, which cannot train on one row.
-    """
-
-    rounds: int = 30
-    clients_per_round: int = 10
-    local_steps: int = 10
-    local_epochs: int | None = None
-    lr: float = 0.05
-    batch_size: int = 32
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    weighting: str = "num_samples"
-    duplicates: str = "multiplicity"
-    seed: int = 0
-    server: ServerOptConfig = field(default_factory=ServerOptConfig)
-    fault_policy: str = "drop"
-    single_row_batch: str = "auto"
-
-
-@dataclass(frozen=True)
-class RoundContext:
-    """Read-only facts about the current round, handed to parts."""
-
-    round: int
-    cohort: tuple[int, ...]  # unique client ids, sorted
-    multiplicity: tuple[int, ...]  # times each cohort id was drawn
-    shard: tuple[int, ...]  # the ids this rank trains (an id repeats when duplicates=repeat gives it copies here)
-    rank: int
-    world_size: int
-    slots: int  # clients per rank in the busiest shard: every rank runs this many "batches"
-
-
-@dataclass
-class ClientContext:
-    """One client's local-training scope. Parts read it and may set ``weight``, ``state`` and ``extras``."""
-
-    cid: int
-    round: RoundContext
-    num_samples: int
-    num_steps: int
-    weight: float
-    generator: torch.Generator
-    state: dict[str, Tensor]
-    step: int = 0
-    batch: tuple[Tensor, Tensor] | None = None
-    outputs: Tensor | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
-    draws: int = 1  # cohort draws this local run stands for (its weight's factor): k (multiplicity) or 1 (repeat)
-    copy: int = 0  # which of the client's k runs this is (duplicates=repeat), 0 otherwise
-
-
-class ClientData:
-    """What the federation needs from the data: one tensor store and per-client index views."""
-
-    x: Tensor
-    y: Tensor
-    client_indices: list[Tensor]
+# the federation's own scalars in the round's all-reduce, before the parts' registered statistics
+COUNTERS = ("dropped", "skipped", "aggregated", "loss_sum", "loss_count")
 
 
 def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
@@ -196,15 +119,19 @@ class Federation:
         world_size: int = 1,
         step_context: Callable[[], AbstractContextManager] = nullcontext,
         gather: Callable[[Any], list[Any]] | None = None,
+        broadcast: Callable[[Any], Any] | None = None,
+        server: Any = None,
     ) -> None:
         """Binds the federation to the (single, reused) net, the data and the process group.
 
         ``reduce_sum`` all-reduces a tensor (sum); ``gather`` all-gathers a picklable object (rank order);
-        both are only called when ``world_size > 1``.
+        ``broadcast`` sends rank 0's picklable object to every rank; all three are only called when
+        ``world_size > 1``. ``server`` holds the server-side resources (:class:`flx.resources.ServerResources`:
+        rows no client sees, frozen models), or None.
         """
         self.net, self.data, self.loss_fn = net, data, loss_fn
         self.reduce_sum, self.rank, self.world_size, self.step_context = reduce_sum, rank, world_size, step_context
-        self.gather = gather
+        self.gather, self._broadcast, self.resources = gather, broadcast, server
         self.store.bind_rank(rank, world_size)
         self.set_parts(parts)
         self.params = [p for p in net.parameters() if p.requires_grad]
@@ -214,8 +141,12 @@ class Federation:
         self.global_params = [p.detach().clone() for p in self.params]
         self.global_other = [b.detach().clone() for b in self.other_buffers]
         self.local_state = self.params + self.float_buffers  # what a client uploads
-        # extra counters ride in the round's one all-reduce: [clients dropped, skipped, aggregated]
-        self.aggregator = WeightedMean(self.local_state, extra=3)
+        self._stats: dict[str, Tensor | list[Tensor]] = {}
+        self._stat_like: dict[str, Tensor | list[Tensor]] = {}
+        self.aggregator = None
+        for part in self._hooked["on_attach"]:
+            part.on_attach(self)
+        self._allocate_round_buffer()
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
         policy = self.cfg.single_row_batch
         self.min_rows = 2 if policy == "drop" or (policy == "auto" and has_bn) else 1
@@ -231,6 +162,57 @@ class Federation:
     def set_parts(self, parts: Sequence[FederatedCallback]) -> None:
         self.parts = list(parts)
         self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
+
+    # ------------------------------------------------------------------ the round's one collective
+    def register_stat(self, name: str, like: Tensor | Sequence[Tensor]) -> None:
+        """Declares a per-round statistic that rides in the round's single all-reduce (call it in ``on_attach``).
+
+        ``fed.stat(name)`` then gives views shaped like ``like`` (a tensor, or a list of tensors), valid for the
+        whole run: zeroed when each round starts (before ``on_round_start``), summed over ranks by the round's
+        all-reduce, read in ``on_server_step`` and ``on_round_end``. Each rank writes its share in place
+        (``stat[i] += x``). The buffer's dtype is the widest of the model's and the statistics' (fp64 statistics make
+        it fp64).
+        """
+        if self.aggregator is not None:
+            raise RuntimeError(f"register_stat({name!r}): call it in on_attach, before the round buffer exists")
+        if name in self._stat_like:
+            raise ValueError(f"register_stat({name!r}): a statistic of that name is already registered")
+        self._stat_like[name] = like if isinstance(like, Tensor) else list(like)
+
+    def stat(self, name: str) -> Tensor | list[Tensor]:
+        """The views of a registered statistic (see :meth:`register_stat`)."""
+        return self._stats[name]
+
+    def _allocate_round_buffer(self) -> None:
+        """One flat buffer per round: the aggregator's sums, then :data:`COUNTERS`, then the registered statistics."""
+        likes = [t for v in self._stat_like.values() for t in ([v] if isinstance(v, Tensor) else v)]
+        dtype = buffer_dtype(self.local_state + likes)
+        kind = AGGREGATORS[self.cfg.aggregator]
+        self.aggregator = kind(self.local_state, extra=len(COUNTERS) + sum(t.numel() for t in likes), dtype=dtype)
+        self.counters = self.aggregator.extra[: len(COUNTERS)]
+        views = iter(flat_views(self.aggregator.extra[len(COUNTERS) :], likes))
+        for name, like in self._stat_like.items():
+            self._stats[name] = next(views) if isinstance(like, Tensor) else [next(views) for _ in like]
+
+    def _count(self, name: str, value: float = 1.0) -> None:
+        self.counters[COUNTERS.index(name)] += value
+
+    @property
+    def train_loss(self) -> float | None:
+        """The round's mean local training loss over the aggregated clients of every rank (after the reduce)."""
+        n = float(self.counters[COUNTERS.index("loss_count")])
+        return float(self.counters[COUNTERS.index("loss_sum")]) / n if n > 0 else None
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled through the process group; identity on one process)."""
+        if self.world_size == 1 or self._broadcast is None:
+            return obj
+        return self._broadcast(obj)
+
+    def on_server(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` on rank 0 only and returns its result on every rank: server-side work (training with a
+        pretrained model on the server rows) runs once, not once per rank."""
+        return self.broadcast(fn() if self.rank == 0 else None)
 
     @property
     def num_clients(self) -> int:
@@ -265,12 +247,10 @@ class Federation:
             _copy(self.global_params, [p.detach() for p in self.params])
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
-        self.aggregator.reset()
+        # the weighted mean adds weights pre-divided by the round's expected total: one client's mean is its model
+        self.aggregator.reset(sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity)))
         self._state_updates: dict[int, dict[str, Tensor]] = {}
         self._left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
-        # weights are added pre-divided by the round's expected total, so one client's mean is its model exactly
-        expected = sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity))
-        self._weight_scale = 1.0 / expected if expected > 0 else 1.0  # 0: every client is empty (all skipped)
         for part in self._hooked["on_round_start"]:
             part.on_round_start(self, self.rnd)
         return self.rnd
@@ -297,7 +277,7 @@ class Federation:
         self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
         self._share_client_states()
         self.faults = self._round_faults()
-        if self.aggregator.extra[2] > 0:
+        if self.counters[COUNTERS.index("aggregated")] > 0:
             self._server_step()
         else:  # no client of the round had usable rows: the global model stays as it was
             self.load_global()
@@ -306,7 +286,7 @@ class Federation:
             part.on_round_end(self, self.rnd)
 
     def _server_step(self) -> None:
-        mean = self.aggregator.compute()
+        mean = self.aggregator.compute(self.global_params + self._global_floats)
         for part in self._hooked["on_server_step"]:
             part.on_server_step(self, self.rnd, mean)
         n = len(self.params)
@@ -320,7 +300,7 @@ class Federation:
     def _round_faults(self) -> RoundFaults:
         """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
         by the fault policy (:func:`flx.faults.judge`)."""
-        dropped, skipped, aggregated = (int(c) for c in self.aggregator.extra.tolist())
+        dropped, skipped, aggregated = (int(c) for c in self.counters[:3].tolist())
         mine = self._left_out
         if (dropped or skipped) and self.world_size > 1 and self.gather is not None:
             everyone = self.gather(mine)
@@ -397,10 +377,10 @@ class Federation:
         self.net.train()
         for part in self._hooked["on_client_start"]:
             part.on_client_start(self, client)
-        total = self._local_steps(client)
+        loss = self._local_update(client)
         # checked before on_client_end, so parts do not record a faulty client's statistics (scores, losses), and
         # after it when parts may have changed the upload
-        if not all_finite([*self.local_state, total]):
+        if not all_finite([*self.local_state, loss]):
             self._leave_out(cid, "dropped")
             return None
         for part in self._hooked["on_client_end"]:
@@ -408,24 +388,60 @@ class Federation:
         if self._hooked["on_client_end"] and not all_finite(self.local_state):
             self._leave_out(cid, "dropped")
             return None
-        self.aggregator.update(self.local_state, client.weight * self._weight_scale)
-        self.aggregator.extra[2] += 1
+        self.aggregator.update(self.local_state, client.weight, client.masks)
+        i = COUNTERS.index("aggregated")
+        self.counters[i : i + 3] += torch.stack([loss.new_ones(()), loss, loss.new_ones(())]).to(self.counters)
         if client.state:
             self.store.put(cid, client.state)
             self._state_updates[cid] = client.state
-        return total / max(client.num_steps, 1)
+        return loss
 
     def _leave_out(self, cid: int, why: str) -> None:
         """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
         self._left_out[why].append(cid)
-        self.aggregator.extra[0 if why == "dropped" else 1] += 1
+        self._count(why)
+
+    def _local_update(self, client: ClientContext) -> Tensor:
+        """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""
+        for part in self._hooked["local_update"]:
+            loss = part.local_update(self, client)
+            if loss is not None:
+                return torch.as_tensor(loss, dtype=torch.float64).detach().reshape(())
+        return self._local_steps(client) / max(client.num_steps, 1)
+
+    def client_batches(self, client: ClientContext) -> Iterator[Tensor]:
+        """The default minibatch stream of ``client``: its ``num_steps`` minibatches (row indices into the store) of
+        reshuffled passes over its rows, drawn from ``client.generator`` (for parts that replace the local steps)."""
+        idx = self.data.client_indices[client.cid]
+        return local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
+
+    def batch(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x, y)`` of ``rows`` of the tensor store."""
+        return self.data.x[rows], self.data.y[rows]
+
+    # ------------------------------------------------------------------ derivatives at other parameters
+    def grad_at(self, params: Sequence[Tensor], rows: Tensor, create_graph: bool = False) -> list[Tensor]:
+        """``grad f(params; rows)`` of ``loss_fn`` for the net's trainable parameters at ``params`` (not the net's
+        values), without touching BatchNorm statistics, the net or the training step's RNG stream
+        (:func:`flx.autodiff.grad_at`)."""
+        with self.step_context():
+            return autodiff.grad_at(self.net, params, self.batch(rows), self.loss_fn, create_graph=create_graph)
+
+    def hvp(
+        self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Sequence[Tensor] | None = None, **kw: Any
+    ) -> list[Tensor]:
+        """``H(params) v`` of ``loss_fn`` on ``rows`` (``params`` default: the net's current values); ``mode``:
+        ``exact`` (double backward), ``fd`` (finite differences of gradients) or ``none`` (zeros)
+        (:func:`flx.autodiff.hvp`)."""
+        at = [p.detach() for p in self.params] if params is None else list(params)
+        with self.step_context():
+            return autodiff.hvp(self.net, at, list(v), self.batch(rows), self.loss_fn, mode=mode, **kw)
 
     def _local_steps(self, client: ClientContext) -> Tensor:
         x, y, opt = self.data.x, self.data.y, self.local_opt
         opt.state.clear()  # a fresh local optimizer per client
         total = torch.zeros((), device=self.params[0].device)
-        idx = self.data.client_indices[client.cid]
-        default = local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
+        default = self.client_batches(client)
         with self.step_context():
             for k in range(client.num_steps):
                 client.step = k
@@ -446,6 +462,58 @@ class Federation:
                 total += loss.detach()
         client.batch = client.outputs = None
         return total
+
+    # ------------------------------------------------------------------ personalised evaluation
+    @contextmanager
+    def personalize(self, cid: int) -> Iterator[None]:
+        """Inside the block the net is client ``cid``'s personalised model (the parts' ``personalize`` contexts, in
+        part order; the global model when no part personalises); on exit the net's parameters and float buffers are
+        restored exactly and the global RNG stream is as it was. Gradients are enabled inside, even when the caller
+        runs under Lightning's inference mode, so a part may take local steps."""
+        saved = [t.detach().clone() for t in self.local_state]
+        dev = self.params[0].device
+        try:
+            with ExitStack() as stack:
+                stack.enter_context(torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []))
+                stack.enter_context(torch.inference_mode(False))
+                stack.enter_context(torch.enable_grad())
+                for part in self._hooked["personalize"]:
+                    ctx = part.personalize(self, cid)
+                    if ctx is not None:
+                        stack.enter_context(ctx)
+                yield
+        finally:
+            with torch.no_grad():
+                _copy(self.local_state, saved)
+
+    @property
+    def personalizes(self) -> bool:
+        """Whether a part personalises the model per client (``personalize``)."""
+        return bool(self._hooked["personalize"])
+
+    def evaluate_clients(
+        self, data: Sequence[tuple[Tensor, Tensor]], metric: Callable[[Tensor, Tensor], Tensor]
+    ) -> Tensor:
+        """``metric`` (a batch mean) of each client's personalised model (:meth:`personalize`) on its own rows.
+
+        ``data[cid]`` is client ``cid``'s ``(x, y)``. Client ``cid`` is evaluated on rank ``cid % world_size``, in
+        eval mode; one all-reduce sums the per-client values. Returns one value per client (NaN: no rows).
+        """
+        out = torch.zeros(len(data), 2, dtype=torch.float64, device=self.params[0].device)
+        was_training = self.net.training
+        for cid in range(self.rank, len(data), self.world_size):
+            x, y = data[cid]
+            if len(y) == 0:
+                continue
+            with self.personalize(cid):
+                self.net.eval()
+                with torch.no_grad(), self.step_context():
+                    out[cid, 0] = metric(self.net(x), y).double() * len(y)
+                out[cid, 1] = len(y)
+                self.net.train(was_training)
+        if self.world_size > 1 and self.reduce_sum is not None:
+            out = self.reduce_sum(out)
+        return torch.where(out[:, 1] > 0, out[:, 0] / out[:, 1].clamp_min(1), torch.nan).cpu()
 
     @torch.no_grad()
     def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:

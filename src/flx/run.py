@@ -5,6 +5,7 @@ No algorithm logic here: configs pick classes with ``_target_``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -21,13 +22,13 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
-from flx.callbacks.base import FederatedCallback
 from flx.callbacks.checkpoint import LAST, slurm_job_id
 from flx.checkpoint_io import AtomicCheckpointIO
 from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value
 from flx.federation import Federation, FederationConfig
+from flx.hooks import FederatedCallback, overrides
 from flx.models import heads
 from flx.models.init import init_weights
 from flx.models.module import FederatedModule
@@ -41,6 +42,9 @@ warnings.filterwarnings("ignore", message=r".*`LightningModule.configure_optimiz
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 # data.val_fraction=0 means no validation loader: the skipped validation loop is intended
 warnings.filterwarnings("ignore", message=r".*Total length of `list` across ranks is zero.*")
+# flx logs round-level values that are identical on every rank (summed in the round's one all-reduce): syncing them
+# again would cost a collective per key
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level in distributed.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
 # Lightning's info lines ("GPU available: ...") go to stdout: stderr carries flx's warnings and one-line errors only
 for _name in ("lightning.pytorch", "lightning.fabric"):
@@ -60,24 +64,15 @@ def instantiate(cfg: Any, **kwargs: Any) -> Any:
 
 
 def federation_config(cfg: DictConfig) -> FederationConfig:
-    a = cfg.algo
-    server = ServerOptConfig(**OmegaConf.to_container(a.server, resolve=True))
-    return FederationConfig(
-        rounds=a.rounds,
-        clients_per_round=a.clients_per_round,
-        local_steps=a.local_steps,
-        local_epochs=a.get("local_epochs"),
-        lr=float(a.lr),
-        batch_size=a.batch_size,
-        momentum=float(a.momentum),
-        weight_decay=float(a.weight_decay),
-        weighting=a.weighting,
-        duplicates=a.get("duplicates", "multiplicity"),
-        seed=cfg.seed,
-        server=server,
-        fault_policy=cfg.fault.policy,
-        single_row_batch=a.get("single_row_batch", "auto"),
-    )
+    """``FederationConfig`` from ``algo.*`` (every field of that name; missing keys keep the field's default), with
+    ``seed`` and ``fault.policy`` from the top level. Numbers are cast to the fields' types (``lr: 1`` is 1.0)."""
+    algo = OmegaConf.to_container(cfg.algo, resolve=True)
+    values: dict[str, Any] = {f.name: algo[f.name] for f in dataclasses.fields(FederationConfig) if f.name in algo}
+    for f in dataclasses.fields(FederationConfig):
+        if f.name in values and f.type in ("float", "float | None") and values[f.name] is not None:
+            values[f.name] = float(values[f.name])
+    values["server"] = ServerOptConfig(**values.get("server", {}))
+    return FederationConfig(**values, seed=cfg.seed, fault_policy=cfg.fault.policy)
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -141,6 +136,9 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     for part in parts:
         if isinstance(part, FederatedCallback):
             part.check_setup(dm, fed.cfg)
+    fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
+    if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
+        raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
     return dm, module, build_trainer(cfg, parts)
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.callbacks.base import FederatedCallback
+from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
     from flx.federation import Federation

@@ -21,11 +21,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
+from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation
+    from flx.context import ClientContext
+    from flx.federation import Federation
 
 
 class ClientNoise(FederatedCallback):

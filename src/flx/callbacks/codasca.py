@@ -45,13 +45,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.aggregation import flat_views
-from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
+from flx.hooks import FederatedCallback
 from flx.losses import aucm, xrisk
 from flx.models import heads
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
+    from flx.context import ClientContext, FederationConfig, RoundContext
+    from flx.federation import Federation
 
 A, B, ALPHA = 0, 1, 2  # offsets of a, b, alpha after the flattened w in the (n + 3) vectors
 

@@ -45,12 +45,13 @@ from typing_extensions import override
 
 from flx import simplex
 from flx.aggregation import WeightedMean
-from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
 from flx.federation import _copy, derive_seed
+from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
+    from flx.context import ClientContext, FederationConfig, RoundContext
+    from flx.federation import Federation
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
 MAX_LOGGED_CLIENTS = 100  # lambda/<i> is logged per client up to this many clients (lambda/max always)

@@ -48,14 +48,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.aggregation import WeightedMean, flat_views
-from flx.callbacks.base import FederatedCallback
 from flx.errors import ConfigError, bad_value
 from flx.federation import derive_seed
+from flx.hooks import FederatedCallback
 from flx.losses import xrisk
 from flx.models import heads
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
+    from flx.context import ClientContext, FederationConfig, RoundContext
+    from flx.federation import Federation
 
 LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
 CHOICES = {

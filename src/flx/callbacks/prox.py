@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 from typing_extensions import override
 
-from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
+from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation
+    from flx.context import ClientContext
+    from flx.federation import Federation
 
 
 @dataclass(frozen=True)

@@ -56,11 +56,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.callbacks.base import FederatedCallback
 from flx.errors import bad_value
+from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, RoundContext
+    from flx.context import ClientContext, RoundContext
+    from flx.federation import Federation
 
 
 def qffl_terms(loss: float, sq_dist: float, q: float, lipschitz: float) -> tuple[float, float]:

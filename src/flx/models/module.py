@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from flx.callbacks.base import FederatedCallback
 from flx.faults import Diverged
 from flx.federation import Federation
+from flx.hooks import FederatedCallback
 from flx.loop import IDLE
 from flx.metrics.auc import AUROCs
 from flx.metrics.client_summary import PerClientAccuracy, summarize
@@ -89,6 +89,8 @@ class FederatedModule(pl.LightningModule):
             parts=parts,
             reduce_sum=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             gather=_all_gather_object,
+            broadcast=trainer.strategy.broadcast,
+            server=getattr(dm, "server_resources", None),
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             step_context=trainer.precision_plugin.train_step_context,
@@ -102,24 +104,15 @@ class FederatedModule(pl.LightningModule):
         steps.increment_completed()
         if int(client_id) == IDLE:
             return None
-        loss = self.federation.train_client(int(client_id))
-        if loss is not None:
-            self._round_loss = (self._round_loss[0] + loss, self._round_loss[1] + 1)
-        return loss
-
-    def on_train_epoch_start(self) -> None:
-        self._round_loss: tuple[Tensor | float, int] = (0.0, 0)
+        return self.federation.train_client(int(client_id))
 
     def on_train_epoch_end(self) -> None:
         # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of the round's
-        # clients. One sum of (loss total, client count) over ranks, then the same value logged on every rank; a rank
-        # left idle by a cohort with repeats adds (0, 0). (Lightning's sync_dist would average the integer batch sizes.)
-        total, n = self._round_loss
-        sums = torch.tensor([float(total), float(n)], dtype=torch.float64)
-        if self.trainer.world_size > 1:
-            sums = self.trainer.strategy.reduce(sums.to(self.device), reduce_op="sum").cpu()
-        if sums[1] > 0:
-            self.log("train/loss", float(sums[0] / sums[1]), on_epoch=True, batch_size=1)
+        # aggregated clients, summed over ranks in the round's one all-reduce (Federation.train_loss), so it is the
+        # same on every rank and costs no collective of its own
+        loss = self.federation.train_loss
+        if loss is not None:
+            self.log("train/loss", loss, on_epoch=True, batch_size=1)
         if not self.loggers:
             return
         rnd = self.federation.rnd
@@ -129,7 +122,7 @@ class FederatedModule(pl.LightningModule):
         counts |= {"fl/dropped_clients": float(len(faults.dropped)), "fl/skipped_clients": float(len(faults.skipped))}
         if self.federation.cfg.local_epochs is None:  # local iterations so far, per client (AFL: one per round)
             counts["fl/local_steps"] = float((rnd.round + 1) * self.federation.cfg.local_steps)
-        self.log_dict(counts, sync_dist=True)  # identical on every rank; syncing only silences Lightning's advice
+        self.log_dict(counts)  # identical on every rank: no sync (a collective per key)
 
     # ------------------------------------------------------------------ evaluation of the global model
     def _eval_step(self, stage: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:

@@ -6,7 +6,9 @@ Every hook is optional; the federation calls a hook only on the parts that overr
 
 Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, before the Trainer
 starts, so a part that cannot use the data or the protocol settings (an AUC part on a 10-class task, a step-counting
-part with ``local_epochs``) stops the run with one line.
+part with ``local_epochs``) stops the run with one line. ``on_attach(fed)`` runs when the federation is bound to the
+net and the data (fit start): a part declares its per-round statistics there (``fed.register_stat``), which ride in
+the round's one all-reduce, and creates its per-round state.
 
 Server side (run identically on every rank):
 
@@ -21,37 +23,47 @@ Client side (per client, on the rank that trains it):
 
 =====================  ==========================================================================
 ``on_client_start``    global weights copied in; load client state, set masks / weight
+``local_update``       replaces the K local SGD steps (closed forms, meta steps); first non-None wins
 ``sample_batch``       the step's minibatch (row indices into the store); first non-None wins
 ``local_loss``         add (or replace) terms of the local objective; returns the loss
 ``on_local_grad``      after backward, before the optimizer step (gradient transforms)
 ``on_local_step_end``  after the optimizer step (prox operators, snapshots, recording)
 ``on_client_end``      after local training, before the contribution is added; save client state
 =====================  ==========================================================================
+
+Evaluation: ``personalize(fed, cid)`` returns a context manager that turns the net into client ``cid``'s personalised
+model and undoes it on exit (:meth:`flx.federation.Federation.personalize`); the per-client evaluation uses it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from lightning.pytorch import Callback
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from flx.federation import ClientContext, Federation, FederationConfig, RoundContext
+from flx.context import ClientContext, FederationConfig, RoundContext
+
+if TYPE_CHECKING:  # for annotations only: the core imports this module, never the reverse at run time
+    from flx.federation import Federation
 
 HOOKS = (
+    "on_attach",
     "sample_clients",
     "on_round_start",
     "on_server_step",
     "on_round_end",
     "on_client_start",
+    "local_update",
     "sample_batch",
     "local_loss",
     "on_local_grad",
     "on_local_step_end",
     "on_client_end",
+    "personalize",
 )
 
 
@@ -66,6 +78,10 @@ class FederatedCallback(Callback):
         prints anything.
         """
 
+    def on_attach(self, fed: Federation) -> None:
+        """Fit start, every rank: the federation holds the net and the data. Declare per-round statistics here
+        (:meth:`~flx.federation.Federation.register_stat`) and create per-round state (no ``hasattr`` later)."""
+
     def sample_clients(self, fed: Federation, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:
         """Returns the cohort (client ids; repeats allowed and count as multiplicity), or None to defer."""
         return None
@@ -75,6 +91,15 @@ class FederatedCallback(Callback):
 
     def on_client_start(self, fed: Federation, client: ClientContext) -> None:
         """Client: the net holds the global weights; ``client.state`` holds the stored client state."""
+
+    def local_update(self, fed: Federation, client: ClientContext) -> Tensor | None:
+        """Client: replaces the ``K`` local SGD steps, or None to defer (the first non-None wins).
+
+        The net holds ``w^t`` (after ``on_client_start``); leave the client's local model in the net (what is
+        uploaded) and return its mean training loss, a detached scalar. ``fed.grad_at`` / ``fed.hvp`` give gradients
+        and Hessian-vector products at any parameters; ``fed.client_batches(client)`` the default minibatch stream.
+        """
+        return None
 
     def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor | None:
         """Client, every local step: row indices of the step's minibatch in the tensor store, or None to defer.
@@ -102,6 +127,11 @@ class FederatedCallback(Callback):
 
     def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
         """Server, every rank: the net holds the new global model."""
+
+    def personalize(self, fed: Federation, cid: int) -> AbstractContextManager | None:
+        """Evaluation: a context manager that makes the net client ``cid``'s personalised model and restores it on
+        exit, or None (the client is evaluated with the global model)."""
+        return None
 
 
 def overrides(part: FederatedCallback, hook: str) -> bool:
