@@ -38,10 +38,14 @@ def make_fed(
     rank: int = 0,
     world_size: int = 1,
     reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    gather: Callable[[object], list[object]] | None = None,
+    broadcast: Callable[[object], object] | None = None,
     **cfg: object,
 ) -> Federation:
     fed = Federation(FederationConfig(**cfg))
-    fed.attach(net, data, loss_fn, parts=parts, rank=rank, world_size=world_size, reduce_sum=reduce_sum)
+    fed.attach(
+        net, data, loss_fn, parts, reduce_sum, rank=rank, world_size=world_size, gather=gather, broadcast=broadcast
+    )
     return fed
 
 

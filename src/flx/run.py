@@ -22,8 +22,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
-from flx.callbacks.checkpoint import LAST, slurm_job_id
-from flx.checkpoint_io import AtomicCheckpointIO
+from flx.checkpoint_io import LAST, AtomicCheckpointIO, slurm_job_id
 from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value

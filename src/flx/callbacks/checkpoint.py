@@ -31,23 +31,17 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
-from flx.checkpoint_io import atomic_link
+from flx.checkpoint_io import LAST, atomic_link, slurm_job_id
 from flx.config import check_checkpoint
 from flx.errors import ConfigError
 
 log = logging.getLogger(__name__)
-LAST, BEST = "last.ckpt", "best.ckpt"
+BEST = "best.ckpt"
 
 
 def round_file(rounds: int) -> str:
     """The file name of the checkpoint holding the state after ``rounds`` rounds."""
     return f"round_{rounds:05d}.ckpt"
-
-
-def slurm_job_id() -> str | None:
-    """The job id ``scontrol requeue`` takes (``<array job>_<task>`` for array jobs), or None outside SLURM."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
 
 
 class RoundCheckpoint(Checkpoint):

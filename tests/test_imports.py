@@ -1,0 +1,94 @@
+"""The import graph of ``flx``: the core never imports a part, and no two modules import each other in a circle.
+
+Parts are the modules of ``flx.callbacks``; everything else is the core. Imports under ``if TYPE_CHECKING:`` are
+annotations only (a part's hook names ``Federation`` in its signature) and are left out: the graph is what runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST, package: str) -> set[str]:
+    """``flx`` modules imported anywhere in ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("flx"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            if base.startswith("flx"):
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)  # `from flx import autodiff` names a module
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in sorted((SRC / "flx").rglob("*.py"))}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = _runtime_imports(ast.parse(path.read_text()), package)
+        graph[name] = {m for m in imported if m in files and m != name}
+    return graph
+
+
+def test_the_core_never_imports_a_part() -> None:
+    graph = import_graph()
+    arrows = [
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if not a.startswith("flx.callbacks") and b.startswith("flx.callbacks")
+    ]
+    assert not arrows, f"core -> part imports: {arrows}"
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_graph_sees_known_arrows() -> None:
+    """The parser finds the imports it must (a guard against a test that passes by seeing nothing)."""
+    graph = import_graph()
+    assert {"flx.hooks", "flx.aggregation", "flx.autodiff"} <= graph["flx.federation"]
+    assert "flx.hooks" in graph["flx.callbacks.prox"]
+    assert "flx.federation" not in graph["flx.hooks"]  # annotations only
