@@ -37,9 +37,9 @@ from lightning.pytorch import Callback
 from omegaconf import DictConfig
 from torch import Tensor
 
-from flx.callbacks.base import FederatedCallback
 from flx.checkpoint_io import load
 from flx.config import precheck
+from flx.hooks import FederatedCallback
 from flx.run import build
 
 pytestmark = pytest.mark.slow
@@ -93,6 +93,13 @@ class Recorder(FederatedCallback):
         self.trainer = trainer
 
     # ------------------------------------------------------------------ federated hooks
+    def on_attach(self, fed) -> None:
+        self._add(self.trainer.current_epoch, "on_attach")
+
+    def local_update(self, fed, client):
+        self._add(client.round.round, "local_update", client.cid)
+        return None  # defer to the K SGD steps
+
     def sample_clients(self, fed, round_idx, rng):
         self._add(round_idx, "sample_clients")
         return None if self.cohorts is None else self.cohorts[round_idx]
@@ -183,11 +190,11 @@ def _shards(rec: Recorder) -> list[tuple[int, ...]]:
 def expected_events(shards: list[tuple[int, ...]], validated: set[int]) -> list[tuple[Any, ...]]:
     """The order of the module docstring, for rounds that train ``shards[t]``; validation after the rounds (1-based)
     in ``validated``."""
-    events: list[tuple[Any, ...]] = [(0, "on_fit_start"), (0, "on_train_start")]
+    events: list[tuple[Any, ...]] = [(0, "on_fit_start"), (0, "on_attach"), (0, "on_train_start")]
     for t, shard in enumerate(shards):
         events += [(t, "sample_clients"), (t, "on_round_start"), (t, "on_train_epoch_start")]
         for cid in shard:
-            events += [(t, "on_train_batch_start", cid), (t, "on_client_start", cid)]
+            events += [(t, "on_train_batch_start", cid), (t, "on_client_start", cid), (t, "local_update", cid)]
             events += [(t, hook, cid, k) for k in range(K) for hook in LOCAL]
             events += [(t, "on_client_end", cid), (t, "on_train_batch_end", cid)]
         events += [(t, "on_server_step"), (t, "on_round_end")]
