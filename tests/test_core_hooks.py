@@ -287,7 +287,7 @@ def test_personalize_and_evaluate_clients_against_a_hand_computation() -> None:
         torch.testing.assert_close(got[cid], expected.double(), rtol=0, atol=1e-14)
     assert torch.isnan(got[3])  # a client without rows
     assert all(torch.equal(a, b) for a, b in zip(params(net), before)) and torch.equal(torch.get_rng_state(), rng)
-    assert fed.personalizes and not make_fed(linear(), toy_data([3])).personalizes
+    assert fed.parts_with("personalize") and not make_fed(linear(), toy_data([3])).parts_with("personalize")
 
 
 def test_personalize_restores_the_net_even_when_the_block_raises() -> None:

@@ -388,11 +388,11 @@ DRFA += ["algo.clients_per_round=2", "algo.local_steps=3", "algo.gamma=0.5", "pa
 
 def _drfa_cohorts(ckpt: dict, rounds: int, n: int = 2, m: int = 2, seed: int = 0) -> list[list[int]]:
     """The cohorts the run drew: m draws from lambda^(r) with replacement, on the federation's (seed, round) stream."""
-    from flx.federation import _SAMPLE_TAG, derive_seed
+    from flx.sampling import SAMPLE_TAG, derive_seed
 
     (key,) = [k for k in ckpt["callbacks"] if "LambdaSampling" in k]
     history = [[1 / n] * n] + ckpt["callbacks"][key]["history"]
-    rngs = [np.random.default_rng(derive_seed(seed, r, _SAMPLE_TAG)) for r in range(rounds)]
+    rngs = [np.random.default_rng(derive_seed(seed, r, SAMPLE_TAG)) for r in range(rounds)]
     return [
         rng.choice(n, size=m, replace=True, p=np.array(history[r]) / sum(history[r])).tolist()
         for r, rng in enumerate(rngs)

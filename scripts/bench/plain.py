@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flx.federation import _SAMPLE_TAG, derive_seed, local_batches, uniform_cohort
+from flx.sampling import SAMPLE_TAG, derive_seed, local_batches, uniform_cohort
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class FlxRandomness:
         self.gen = torch.Generator()
 
     def cohort(self, round_idx: int, num_clients: int, m: int) -> Sequence[int]:
-        rng = np.random.default_rng(derive_seed(self.seed, round_idx, _SAMPLE_TAG))
+        rng = np.random.default_rng(derive_seed(self.seed, round_idx, SAMPLE_TAG))
         return sorted(uniform_cohort(num_clients, m, rng))
 
     def batches(self, round_idx: int, cid: int, indices: Tensor, batch_size: int, steps: int) -> Iterator[Tensor]:

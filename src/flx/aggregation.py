@@ -171,3 +171,43 @@ class AdmmSum(_FlatBuffer):
 
 Aggregator = WeightedMean | CountMean | AdmmSum
 AGGREGATORS: dict[str, type[Aggregator]] = {"mean": WeightedMean, "count_mean": CountMean, "admm_sum": AdmmSum}
+
+
+class RoundStats:
+    """Named scalars and tensors that ride in the round's one all-reduce, in the ``extra`` part of its buffer.
+
+    The first ``len(counters)`` scalars are the federation's counters; then each registered statistic, in
+    registration order. Register everything first, then :meth:`bind` the buffer's ``extra`` once.
+    """
+
+    def __init__(self, counters: Sequence[str]) -> None:
+        self.counter_names = tuple(counters)
+        self._like: dict[str, Tensor | list[Tensor]] = {}
+        self._views: dict[str, Tensor | list[Tensor]] = {}
+        self.bound = False
+
+    def register(self, name: str, like: Tensor | Sequence[Tensor]) -> None:
+        if self.bound:
+            raise RuntimeError(f"register_stat({name!r}): call it in on_attach, before the round buffer exists")
+        if name in self._like:
+            raise ValueError(f"register_stat({name!r}): a statistic of that name is already registered")
+        self._like[name] = like if isinstance(like, Tensor) else list(like)
+
+    def likes(self) -> list[Tensor]:
+        """Every registered tensor, in layout order."""
+        return [t for v in self._like.values() for t in ([v] if isinstance(v, Tensor) else v)]
+
+    def numel(self) -> int:
+        """Scalars needed in ``extra``: the counters and every statistic."""
+        return len(self.counter_names) + sum(t.numel() for t in self.likes())
+
+    def bind(self, extra: Tensor) -> Tensor:
+        """Lays the statistics out in ``extra`` and returns the counters' view."""
+        views = iter(flat_views(extra[len(self.counter_names) :], self.likes()))
+        for name, like in self._like.items():
+            self._views[name] = next(views) if isinstance(like, Tensor) else [next(views) for _ in like]
+        self.bound = True
+        return extra[: len(self.counter_names)]
+
+    def __getitem__(self, name: str) -> Tensor | list[Tensor]:
+        return self._views[name]

@@ -19,24 +19,33 @@ gives the same model on 1 process or on N.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flx import autodiff
-from flx.aggregation import AGGREGATORS, ReduceFn, buffer_dtype, flat_views
+from flx import autodiff, evaluation
+from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
 from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
 from flx.faults import RoundFaults, all_finite, check_global_model, judge
 from flx.hooks import HOOKS, FederatedCallback, overrides
+from flx.sampling import SAMPLE_TAG, derive_seed, local_batches, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer
 from flx.state import ClientStateStore, ServerState
 
-__all__ = ["ClientContext", "ClientData", "Federation", "FederationConfig", "RoundContext", "derive_seed"]
-
-_SAMPLE_TAG = 0x5A  # distinguishes the cohort stream from client streams in the seed sequence
+__all__ = [
+    "ClientContext",
+    "ClientData",
+    "Federation",
+    "FederationConfig",
+    "RoundContext",
+    "derive_seed",
+    "local_batches",
+    "shard_greedy",
+    "uniform_cohort",
+]
 # the federation's own scalars in the round's all-reduce, before the parts' registered statistics
 COUNTERS = ("dropped", "skipped", "aggregated", "loss_sum", "loss_count")
 
@@ -45,50 +54,6 @@ def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
     """In-place list copy (``_foreach_copy_`` rejects empty lists, e.g. a net without buffers)."""
     if dst:
         torch._foreach_copy_(dst, list(src))
-
-
-def derive_seed(*words: int) -> int:
-    """A 63-bit seed from integer words (``numpy.random.SeedSequence``): independent streams per tuple."""
-    return int(np.random.SeedSequence([int(w) for w in words]).generate_state(2, np.uint32).view(np.uint64)[0] >> 1)
-
-
-def uniform_cohort(num_clients: int, m: int, rng: np.random.Generator) -> list[int]:
-    """``m`` distinct clients, uniformly without replacement."""
-    return rng.choice(num_clients, size=m, replace=False).tolist()
-
-
-def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Longest-processing-time greedy split of clients over ranks by sample count (deterministic).
-
-    An id listed ``k`` times (copies of one client) is placed ``k`` times; equal loads spread the copies over ranks.
-    """
-    loads, shards = [0] * world_size, [[] for _ in range(world_size)]
-    for size, cid in sorted(zip(sizes, cids), key=lambda t: (-t[0], t[1])):
-        r = min(range(world_size), key=lambda k: (loads[k], k))
-        shards[r].append(cid)
-        loads[r] += size
-    return [sorted(s) for s in shards]
-
-
-def local_batches(
-    indices: Tensor, batch_size: int, steps: int, gen: torch.Generator, min_rows: int = 1
-) -> Iterator[Tensor]:
-    """``steps`` minibatches of the client's indices, reshuffled each time the client's data is exhausted.
-
-    A pass's last minibatch with fewer than ``min_rows`` rows is left out (``min_rows=2`` for BatchNorm nets); the
-    client must hold at least ``min_rows`` rows.
-    """
-    done, n = 0, len(indices)
-    if n < min_rows:
-        raise ValueError(f"local_batches: {n} rows, fewer than min_rows={min_rows}")
-    while done < steps:
-        for batch in indices[torch.randperm(n, generator=gen)].split(batch_size):
-            if done == steps:
-                return
-            if len(batch) < min_rows:
-                continue
-            done += 1
-            yield batch
 
 
 class Federation:
@@ -141,9 +106,7 @@ class Federation:
         self.global_params = [p.detach().clone() for p in self.params]
         self.global_other = [b.detach().clone() for b in self.other_buffers]
         self.local_state = self.params + self.float_buffers  # what a client uploads
-        self._stats: dict[str, Tensor | list[Tensor]] = {}
-        self._stat_like: dict[str, Tensor | list[Tensor]] = {}
-        self.aggregator = None
+        self.stats = RoundStats(COUNTERS)
         for part in self._hooked["on_attach"]:
             part.on_attach(self)
         self._allocate_round_buffer()
@@ -173,29 +136,17 @@ class Federation:
         (``stat[i] += x``). The buffer's dtype is the widest of the model's and the statistics' (fp64 statistics make
         it fp64).
         """
-        if self.aggregator is not None:
-            raise RuntimeError(f"register_stat({name!r}): call it in on_attach, before the round buffer exists")
-        if name in self._stat_like:
-            raise ValueError(f"register_stat({name!r}): a statistic of that name is already registered")
-        self._stat_like[name] = like if isinstance(like, Tensor) else list(like)
+        self.stats.register(name, like)
 
     def stat(self, name: str) -> Tensor | list[Tensor]:
         """The views of a registered statistic (see :meth:`register_stat`)."""
-        return self._stats[name]
+        return self.stats[name]
 
     def _allocate_round_buffer(self) -> None:
         """One flat buffer per round: the aggregator's sums, then :data:`COUNTERS`, then the registered statistics."""
-        likes = [t for v in self._stat_like.values() for t in ([v] if isinstance(v, Tensor) else v)]
-        dtype = buffer_dtype(self.local_state + likes)
-        kind = AGGREGATORS[self.cfg.aggregator]
-        self.aggregator = kind(self.local_state, extra=len(COUNTERS) + sum(t.numel() for t in likes), dtype=dtype)
-        self.counters = self.aggregator.extra[: len(COUNTERS)]
-        views = iter(flat_views(self.aggregator.extra[len(COUNTERS) :], likes))
-        for name, like in self._stat_like.items():
-            self._stats[name] = next(views) if isinstance(like, Tensor) else [next(views) for _ in like]
-
-    def _count(self, name: str, value: float = 1.0) -> None:
-        self.counters[COUNTERS.index(name)] += value
+        dtype = buffer_dtype(self.local_state + self.stats.likes())
+        self.aggregator = AGGREGATORS[self.cfg.aggregator](self.local_state, extra=self.stats.numel(), dtype=dtype)
+        self.counters = self.stats.bind(self.aggregator.extra)
 
     @property
     def train_loss(self) -> float | None:
@@ -224,7 +175,7 @@ class Federation:
     # ------------------------------------------------------------------ server
     def sample(self, round_idx: int) -> list[int]:
         """The round's cohort (with repeats if a sampling part draws with replacement)."""
-        rng = np.random.default_rng(derive_seed(self.cfg.seed, round_idx, _SAMPLE_TAG))
+        rng = np.random.default_rng(derive_seed(self.cfg.seed, round_idx, SAMPLE_TAG))
         for part in self._hooked["sample_clients"]:
             cohort = part.sample_clients(self, round_idx, rng)
             if cohort is not None:
@@ -399,7 +350,7 @@ class Federation:
     def _leave_out(self, cid: int, why: str) -> None:
         """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
         self._left_out[why].append(cid)
-        self._count(why)
+        self.counters[COUNTERS.index(why)] += 1
 
     def _local_update(self, client: ClientContext) -> Tensor:
         """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""
@@ -464,56 +415,19 @@ class Federation:
         return total
 
     # ------------------------------------------------------------------ personalised evaluation
-    @contextmanager
-    def personalize(self, cid: int) -> Iterator[None]:
-        """Inside the block the net is client ``cid``'s personalised model (the parts' ``personalize`` contexts, in
-        part order; the global model when no part personalises); on exit the net's parameters and float buffers are
-        restored exactly and the global RNG stream is as it was. Gradients are enabled inside, even when the caller
-        runs under Lightning's inference mode, so a part may take local steps."""
-        saved = [t.detach().clone() for t in self.local_state]
-        dev = self.params[0].device
-        try:
-            with ExitStack() as stack:
-                stack.enter_context(torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []))
-                stack.enter_context(torch.inference_mode(False))
-                stack.enter_context(torch.enable_grad())
-                for part in self._hooked["personalize"]:
-                    ctx = part.personalize(self, cid)
-                    if ctx is not None:
-                        stack.enter_context(ctx)
-                yield
-        finally:
-            with torch.no_grad():
-                _copy(self.local_state, saved)
+    def parts_with(self, hook: str) -> list[FederatedCallback]:
+        """The parts that override ``hook``, in part order."""
+        return list(self._hooked[hook])
 
-    @property
-    def personalizes(self) -> bool:
-        """Whether a part personalises the model per client (``personalize``)."""
-        return bool(self._hooked["personalize"])
+    def personalize(self, cid: int) -> AbstractContextManager[None]:
+        """Client ``cid``'s personalised model in the net, in a ``with`` block (:func:`flx.evaluation.personalized`)."""
+        return evaluation.personalized(self, cid)
 
     def evaluate_clients(
         self, data: Sequence[tuple[Tensor, Tensor]], metric: Callable[[Tensor, Tensor], Tensor]
     ) -> Tensor:
-        """``metric`` (a batch mean) of each client's personalised model (:meth:`personalize`) on its own rows.
-
-        ``data[cid]`` is client ``cid``'s ``(x, y)``. Client ``cid`` is evaluated on rank ``cid % world_size``, in
-        eval mode; one all-reduce sums the per-client values. Returns one value per client (NaN: no rows).
-        """
-        out = torch.zeros(len(data), 2, dtype=torch.float64, device=self.params[0].device)
-        was_training = self.net.training
-        for cid in range(self.rank, len(data), self.world_size):
-            x, y = data[cid]
-            if len(y) == 0:
-                continue
-            with self.personalize(cid):
-                self.net.eval()
-                with torch.no_grad(), self.step_context():
-                    out[cid, 0] = metric(self.net(x), y).double() * len(y)
-                out[cid, 1] = len(y)
-                self.net.train(was_training)
-        if self.world_size > 1 and self.reduce_sum is not None:
-            out = self.reduce_sum(out)
-        return torch.where(out[:, 1] > 0, out[:, 0] / out[:, 1].clamp_min(1), torch.nan).cpu()
+        """A metric of every client's personalised model on its own rows (:func:`flx.evaluation.evaluate_clients`)."""
+        return evaluation.evaluate_clients(self, data, metric)
 
     @torch.no_grad()
     def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:
