@@ -38,10 +38,11 @@ def make_fed(
     rank: int = 0,
     world_size: int = 1,
     reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    gather: Callable[[object], list] | None = None,
     **cfg: object,
 ) -> Federation:
     fed = Federation(FederationConfig(**cfg))
-    fed.attach(net, data, loss_fn, parts=parts, rank=rank, world_size=world_size, reduce_sum=reduce_sum)
+    fed.attach(net, data, loss_fn, parts=parts, rank=rank, world_size=world_size, reduce_sum=reduce_sum, gather=gather)
     return fed
 
 
