@@ -352,8 +352,8 @@ def _one_and_two_processes(tmp_path: Path, *common: str, part: str) -> tuple[dic
 
 
 def test_fedxl2_one_process_equals_two_processes(tmp_path: Path) -> None:
-    """FeDXL2 on 2 CPU processes: score pools all-gathered in client order, momentum mean all-reduced, so the
-    model, the merged pools and the server momentum equal the 1-process run."""
+    """FeDXL2 on 2 CPU processes: score pools (per-client slots) and the momentum mean ride in the round's one
+    all-reduce, so the model, the merged pools and the server momentum equal the 1-process run."""
     _, _, p1, p2 = _one_and_two_processes(tmp_path, "algo=fedxl2", *FEDXL, "algo.rounds=3", part="PassiveBuffer")
     for name in ("pos", "u", "neg"):
         torch.testing.assert_close(p1["pools"][-1][name], p2["pools"][-1][name], rtol=0, atol=1e-5)
@@ -414,8 +414,9 @@ def test_drfa_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
-    """DRFA on 2 CPU processes: snapshot mean and v all-reduced, so lambda and the model equal the 1-process run,
-    including rounds whose cohort (drawn with replacement) holds one distinct client and leaves a rank idle."""
+    """DRFA on 2 CPU processes: the snapshot sum rides in the round's all-reduce and every rank evaluates v, so lambda
+    and the model equal the 1-process run, including rounds whose cohort (drawn with replacement) holds one distinct
+    client and leaves a rank idle."""
     one, _, p1, p2 = _one_and_two_processes(tmp_path, *DRFA, "algo.rounds=4", part="LambdaSampling")
     assert any(len(set(c)) == 1 for c in _drfa_cohorts(one, 4))
     torch.testing.assert_close(p1["lam"], p2["lam"], rtol=0, atol=1e-6)

@@ -46,8 +46,9 @@ __all__ = [
     "shard_greedy",
     "uniform_cohort",
 ]
-# the federation's own scalars in the round's all-reduce, before the parts' registered statistics
-COUNTERS = ("dropped", "skipped", "aggregated", "loss_sum", "loss_count")
+# the federation's own scalars in the round's all-reduce, before the parts' registered statistics; "stored" counts the
+# clients whose state went to the store, so every rank knows whether the round needs the state all-gather
+COUNTERS = ("dropped", "skipped", "aggregated", "loss_sum", "loss_count", "stored")
 
 
 def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
@@ -262,9 +263,11 @@ class Federation:
     def _share_client_states(self) -> None:
         """Under N processes, every rank's store receives the client states updated on the other ranks.
 
-        A client may train on another rank next time it is sampled, so each rank keeps every client's state.
+        A client may train on another rank next time it is sampled, so each rank keeps every client's state. The
+        all-gather runs only in rounds where some rank stored a client state (the reduced ``stored`` counter), so
+        parts without per-client state cost no collective beyond the round's reduce.
         """
-        if self.world_size == 1 or self.gather is None:
+        if self.world_size == 1 or self.gather is None or float(self.counters[COUNTERS.index("stored")]) == 0:
             return
         cpu = {cid: {k: v.detach().cpu() for k, v in st.items()} for cid, st in self._state_updates.items()}
         for rank, updates in enumerate(self.gather(cpu)):
@@ -345,6 +348,7 @@ class Federation:
         if client.state:
             self.store.put(cid, client.state)
             self._state_updates[cid] = client.state
+            self.counters[COUNTERS.index("stored")] += 1
         return loss
 
     def _leave_out(self, cid: int, why: str) -> None:

@@ -13,7 +13,9 @@ with :math:`D_i` client :math:`i`'s training rows, :math:`\ell` the training los
 :math:`w^{t+1}` the global model after the round, evaluated in eval mode (no dropout, no BatchNorm update) on every
 round that Lightning validates (``eval_every``). The mean is unweighted over clients (each client one entry of
 :math:`\lambda`), not over samples. Under N processes the clients are split over the ranks (client ``i`` on rank
-``i mod N``) and the ``(N,)`` loss vector is summed with one reduce, so every rank logs the same numbers.
+``i mod N``) and the ``(N,)`` loss vector is summed with one reduce, so every rank logs the same numbers. That reduce
+is an evaluation collective, on validated rounds only, like the per-client evaluation's: the losses of
+:math:`w^{t+1}` exist only after the round's own all-reduce, so they cannot ride in it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class ClientLoss(FederatedCallback):
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fed = getattr(pl_module, "federation", None)
-        if not self.params.enabled or trainer.sanity_checking or fed is None or not hasattr(fed, "params"):
+        # fed.rnd is None until the first round: a validation before any round has no global model to report on
+        if not self.params.enabled or trainer.sanity_checking or fed is None or fed.rnd is None:
             return
         self.last = f = client_train_losses(fed)
         # identical on every rank after the sum; sync_dist only silences Lightning's distributed-logging advice

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from flx.federation import Federation
 
 A, B, ALPHA = 0, 1, 2  # offsets of a, b, alpha after the flattened w in the (n + 3) vectors
+_SUMS = "codasca/sums"  # the registered statistic: (a, b, alpha) weighted sums, weight sum, sum of c_i^new - c_i
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,20 @@ class Codasca(FederatedCallback):
         if p.p is not None and not 0 < p.p < 1:
             raise bad_value("algo.p", p.p, "the positive ratio, in (0, 1); null = measured on the training set")
         self.state: dict[str, Any] = {}
+        self.lr = 0.0  # eta_s of the current stage
+        self._ref_w: list[Tensor] = []  # the stage reference's w, per parameter tensor (views into state["ref"])
 
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         xrisk.check_binary_labels(datamodule.data.y_train, "algo=codasca")
         if cfg.local_epochs is not None:
             raise bad_value("algo.local_epochs", cfg.local_epochs, "CODASCA counts stages in steps: use null")
+
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        # (a, b, alpha) weighted sums (3), weight sum (1), sum of c_i^new - c_i (n + 3): this rank's clients, summed
+        # over ranks by the round's all-reduce; in the model's dtype, as the server state c and (a, b, alpha)
+        fed.register_stat(_SUMS, torch.zeros(4 + self._numel(fed) + 3, dtype=fed.params[0].dtype))
 
     # ------------------------------------------------------------------ server
     @override
@@ -127,7 +136,6 @@ class Codasca(FederatedCallback):
         self._ref_w = flat_views(st["ref"][:n], fed.params)
         for group in fed.local_opt.param_groups:
             group["lr"] = self.lr
-        self._sums = torch.zeros(4 + n + 3, dtype=st["c"].dtype, device=st["c"].device)  # a,b,alpha; weight; dc
 
     def _global_vector(self, fed: Federation, abz: Tensor | None) -> Tensor:
         """``(w, a, b)`` of the global model, flat (``a = b = 0`` before the first round)."""
@@ -136,9 +144,7 @@ class Codasca(FederatedCallback):
 
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
-        st, sums = self.state, self._sums
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            fed.reduce_sum(sums)
+        st, sums = self.state, fed.stat(_SUMS)
         eta_g = fed.cfg.server.lr
         st["abz"] += eta_g * (sums[:3] / sums[3] - st["abz"])
         st["abz"][ALPHA].clamp_(min=0)
@@ -207,7 +213,7 @@ class Codasca(FederatedCallback):
 
     @override
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
-        s, sums = client.extras.pop("codasca"), self._sums
+        s, sums = client.extras.pop("codasca"), fed.stat(_SUMS)
         sums[:3] += client.weight * torch.stack([s["a"].detach(), s["b"].detach(), s["alpha"].detach()])
         sums[3] += client.weight
         if self.params.control == "grad_mean":

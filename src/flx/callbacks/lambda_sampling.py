@@ -26,6 +26,9 @@ replacement and the aggregate :math:`\bar w - \sum_{i \in D} \lambda_i \frac{N}{
 ``lambda_init=num_samples`` (:math:`\lambda^{(0)}_i = n_i / n`). Choices the paper leaves open: :math:`\lambda^{(0)}`
 (default uniform), the loss minibatch for :math:`v` (``eval_batch``, default the training batch size, drawn
 from a ``(seed, round, client)`` stream, net in eval mode), and the output: the last iterates (no averaging).
+A round is one collective: the snapshot sum and DRFA-GA's losses are registered statistics (``fed.register_stat``)
+that ride in the round's all-reduce, and every rank evaluates all of :math:`U` at :math:`w^{(t')}` (which exists
+only after that reduce), so :math:`v` needs none.
 The part keeps :math:`\lambda` and its history in its ``state_dict``; at the end of fit it writes
 ``lambda.json`` next to ``curves.json`` and logs ``lambda/<i>`` every round (and a W&B table when W&B is on).
 """
@@ -44,9 +47,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx import simplex
-from flx.aggregation import WeightedMean
 from flx.errors import bad_value
-from flx.federation import _copy, derive_seed
+from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     from flx.federation import Federation
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
+# registered statistics: the snapshot sum (shaped like fed.local_state) then its weight; DRFA-GA's (N,) full losses
+_SNAPSHOT, _FULL_LOSSES = "lambda/snapshot", "lambda/full_losses"
 MAX_LOGGED_CLIENTS = 100  # lambda/<i> is logged per client up to this many clients (lambda/max always)
 
 
@@ -97,6 +101,8 @@ class LambdaSampling(FederatedCallback):
             raise bad_value("algo.eval_batch", p.eval_batch, ">= 1, or null for algo.batch_size")
         self.lam: Tensor | None = None
         self.history: list[list[float]] = []
+        self._snap_step = 0  # the round's j = t' - s tau (DRFA)
+        self._names: list[str] = []  # fed.local_state's names in the net, to evaluate the snapshot functionally
 
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
@@ -105,6 +111,21 @@ class LambdaSampling(FederatedCallback):
             raise bad_value("algo.lambda_floor", self.params.lambda_floor, f"below 1/N = {1 / n:g}")
         if self.params.mode == "drfa" and cfg.local_epochs is not None:
             raise bad_value("algo.local_epochs", cfg.local_epochs, "DRFA draws t' among tau steps: use null")
+
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        if self.lam is None:  # a resumed run loaded lambda with the checkpoint
+            self._init_lambda(fed)
+        # statistics in the model's dtype (an fp32 model keeps an fp32 round buffer): the snapshot mean is a model,
+        # computed as the primal mean is; DRFA-GA's losses come from an fp32 forward pass anyway
+        dtype = fed.params[0].dtype
+        if self.params.mode == "drfa":
+            net = fed.net
+            params = [n for n, q in net.named_parameters() if q.requires_grad]
+            self._names = params + [n for n, b in net.named_buffers() if b.is_floating_point()]
+            fed.register_stat(_SNAPSHOT, [*fed.local_state, torch.zeros(1, dtype=dtype)])
+        else:
+            fed.register_stat(_FULL_LOSSES, torch.zeros(fed.num_clients, dtype=dtype))
 
     # ------------------------------------------------------------------ lambda
     def _init_lambda(self, fed: Federation) -> None:
@@ -122,8 +143,6 @@ class LambdaSampling(FederatedCallback):
 
     @override
     def sample_clients(self, fed: Federation, round_idx: int, rng: np.random.Generator) -> list[int]:
-        if self.lam is None:
-            self._init_lambda(fed)
         m, n = fed.cfg.clients_per_round, fed.num_clients
         if self.params.sampling == "lambda":
             probs = self.lam.numpy()
@@ -133,39 +152,17 @@ class LambdaSampling(FederatedCallback):
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
-        self._snap_step = 0
         if self.params.mode == "drfa":
             rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, _SNAPSHOT_TAG))
             self._snap_step = int(rng.integers(1, fed.cfg.local_steps + 1))  # j = t' - s tau in {1..tau}
-            if not hasattr(self, "_snapshots"):
-                self._snapshots = WeightedMean(fed.local_state)
-            self._snapshots.reset()
-        else:  # DRFA-GA: every client's full local loss at the round-start model (Alg. 3 lines 11-12)
-            self._full_losses = self.client_losses(fed, range(fed.num_clients), rnd.round, batch=None)
-
-    @torch.no_grad()
-    def client_losses(self, fed: Federation, cids: Any, round_idx: int, batch: int | None) -> Tensor:
-        """``f_i`` of the net's current model for ``cids`` (``batch`` rows drawn per client, or all), zeros elsewhere.
-
-        Ranks split the clients and sum the vector, so every rank returns the same ``(N,)`` float64 tensor.
-        """
-        out = torch.zeros(fed.num_clients, dtype=torch.float64, device=fed.params[0].device)
-        for k, cid in enumerate(cids):
-            if k % fed.world_size != fed.rank:
-                continue
-            rows = fed.data.client_indices[cid]
-            if batch is not None and batch < len(rows):
-                g = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, cid, _EVAL_BATCH_TAG))
-                rows = rows[torch.randperm(len(rows), generator=g)[:batch]]
-            out[cid] = fed.eval_loss(rows)
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            fed.reduce_sum(out)
-        return out.cpu()
+        else:  # DRFA-GA: every client's full local loss at the round-start model (Alg. 3 lines 11-12): this rank's
+            # share (client i on rank i mod N); the round's all-reduce sums the shares before on_round_end
+            losses = fed.stat(_FULL_LOSSES)
+            for cid in range(fed.rank, fed.num_clients, fed.world_size):
+                losses[cid] = fed.eval_loss(fed.data.client_indices[cid])
 
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
-        if self.params.mode == "drfa":
-            self._snapshots.sync(fed.reduce_sum if fed.world_size > 1 else None)
         if self.params.sampling == "uniform_weighted":
             # FedTorch: w <- w - sum_{i in D} lam_i (N/m) (w - w_i) = w + S (mean_lam - w), S = (N/m) sum_D lam_i
             scale = fed.num_clients / len(rnd.cohort) * float(self.lam[list(rnd.cohort)].sum())
@@ -177,10 +174,14 @@ class LambdaSampling(FederatedCallback):
     def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
         p, n, tau, gamma = self.params, fed.num_clients, fed.cfg.local_steps, self.gamma_at(rnd.round)
         if p.mode == "drfa":
+            *sums, weight = fed.stat(_SNAPSHOT)
+            if float(weight) <= 0:  # no client trained this round (all skipped): no w^(t'), lambda stays
+                self.history.append(self.lam.tolist())
+                return
             m = fed.cfg.clients_per_round
             rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, _EVAL_SET_TAG))
             eval_set = sorted(rng.choice(n, size=min(m, n), replace=False).tolist())
-            losses = self._at_snapshot(fed, eval_set, rnd.round)
+            losses = self._at_snapshot(fed, torch._foreach_div(sums, weight[0]), eval_set, rnd.round)
             v = losses * (n / len(eval_set))  # v_i = (N/m) f_i(w^(t'); xi_i) on U, 0 elsewhere (line 16)
             y, c = self.lam + tau * gamma * v, gamma * tau * p.rho
             if p.regularizer == "chi2":
@@ -190,7 +191,7 @@ class LambdaSampling(FederatedCallback):
             else:
                 lam = simplex.project_simplex(y)
         else:
-            grad = self._full_losses + self._reg_grad(self.lam)
+            grad = fed.stat(_FULL_LOSSES).double().cpu() + self._reg_grad(self.lam)
             lam = simplex.project_simplex(self.lam + gamma * grad)
         self.lam = simplex.floor_and_renormalise(lam, p.lambda_floor)
         self.history.append(self.lam.tolist())
@@ -204,16 +205,43 @@ class LambdaSampling(FederatedCallback):
             return -p.rho * (torch.log(n * lam.clamp_min(1e-300)) + 1)
         return torch.zeros_like(lam)
 
-    def _at_snapshot(self, fed: Federation, eval_set: list[int], round_idx: int) -> Tensor:
-        """Losses of ``eval_set`` at the averaged snapshot ``w^(t')``; the net gets the new global model back."""
-        keep = [t.detach().clone() for t in fed.local_state]
-        with torch.no_grad():
-            _copy(fed.local_state, [s.to(t.dtype) for s, t in zip(self._snapshots.compute(), fed.local_state)])
+    @torch.no_grad()
+    def _at_snapshot(self, fed: Federation, snapshot: list[Tensor], eval_set: list[int], round_idx: int) -> Tensor:
+        """``(N,)`` float64: ``f_i(w^(t'); xi_i)`` for ``i`` in ``eval_set``, zeros elsewhere; ``snapshot`` is
+        ``w^(t')``, shaped like ``fed.local_state``.
+
+        Every rank evaluates all of ``U`` (one minibatch per client, drawn from a ``(seed, round, client)`` stream), so
+        the losses need no collective: they exist only after the round's all-reduce. The net is not modified: the
+        snapshot enters through ``torch.func.functional_call``, in eval mode (no dropout, BatchNorm uses the
+        snapshot's running statistics), under the step context.
+        """
+        values = {name: s.to(t.dtype) for name, s, t in zip(self._names, snapshot, fed.local_state)}
         batch = self.params.eval_batch or fed.cfg.batch_size
-        losses = self.client_losses(fed, eval_set, round_idx, batch)
-        with torch.no_grad():
-            _copy(fed.local_state, keep)
-        return losses
+        out = torch.zeros(fed.num_clients, dtype=torch.float64)
+        was_training = fed.net.training
+        fed.net.eval()
+        try:
+            for cid in eval_set:
+                rows = fed.data.client_indices[cid]
+                if batch < len(rows):
+                    g = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, cid, _EVAL_BATCH_TAG))
+                    rows = rows[torch.randperm(len(rows), generator=g)[:batch]]
+                out[cid] = self._loss_at(fed, values, rows)
+        finally:
+            fed.net.train(was_training)
+        return out
+
+    @staticmethod
+    def _loss_at(fed: Federation, values: dict[str, Tensor], rows: Tensor, chunk: int = 4096) -> float:
+        """Mean ``loss_fn`` over ``rows`` with the net's tensors replaced by ``values`` (summed in float64 as
+        :meth:`flx.federation.Federation.eval_loss`)."""
+        with fed.step_context():
+            total = sum(
+                fed.loss_fn(torch.func.functional_call(fed.net, values, (fed.data.x[r],)), fed.data.y[r]).double()
+                * len(r)
+                for r in rows.split(chunk)
+            )
+        return float(total) / len(rows)
 
     # ------------------------------------------------------------------ client
     @override
@@ -228,10 +256,13 @@ class LambdaSampling(FederatedCallback):
             client.extras["snapshot"] = [t.detach().clone() for t in fed.local_state]
 
     @override
+    @torch.no_grad()
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
         weight = client.extras.pop("lambda_weight")
-        if self.params.mode == "drfa":
-            self._snapshots.update(client.extras.pop("snapshot"), weight)
+        if self.params.mode == "drfa":  # this rank's share of sum_i p_i w_i^(t') and of sum_i p_i (line 12)
+            *sums, total = fed.stat(_SNAPSHOT)
+            torch._foreach_add_(sums, client.extras.pop("snapshot"), alpha=weight)
+            total += weight
 
     # ------------------------------------------------------------------ logging and checkpoint
     @override

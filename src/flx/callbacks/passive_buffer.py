@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.aggregation import WeightedMean, flat_views
+from flx.aggregation import flat_views
+from flx.callbacks.client_noise import ClientNoise
 from flx.errors import ConfigError, bad_value
 from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
@@ -66,6 +67,9 @@ CHOICES = {
     "momentum_sync": ("server", "client"),
 }
 _H0_TAG = 0x4830  # the (seed, 0, client, tag) stream of the round-1 pools' minibatches and noise
+KEYS = ("pos", "u", "neg")  # a pool's entries: positive scores H_1, their u values U, negative scores H_2
+# registered statistics: per-client pool slots (KEYS, then a presence flag per client), the momentum sum and count
+_POOLS, _MOMENTUM = "fedxl/pools", "fedxl/momentum"
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class PassiveBuffer(FederatedCallback):
         self.pools: list[dict[str, Tensor]] = []  # oldest first; keys pos, u, neg
         self.gbar: Tensor | None = None
         self.server_momentum = p.beta < 1 and p.momentum_sync == "server"
+        self._merged: dict[str, Tensor] = {}  # the round's passive pools: the last `depth` pools, concatenated
+        self._slots: dict[str, list[slice]] = {}  # per key, client cid's entries in the pools statistic
 
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
@@ -131,17 +137,36 @@ class PassiveBuffer(FederatedCallback):
                     "(use partition=stratified or iid, or fewer clients)"
                 )
 
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        """Declares the round's statistics, in the model's dtype (an fp32 model keeps an fp32 round buffer).
+
+        Pools: client ``i`` records exactly ``K_i B1`` positive scores, as many ``u`` values and ``K_i B2`` negative
+        scores, so each key has one fixed slot per client (client-id order) plus a presence flag per client; summing
+        the ranks' slots is the client-id-order merge of the participants. The model's dtype is exact: the scores are
+        computed in it, ``u`` is returned in it (:func:`flx.losses.xrisk.update_u_table`), and the passive partners
+        are cast to it before use. Momentum: ``sum_i m_i`` and the count of clients.
+        """
+        dtype = fed.params[0].dtype
+        if self.params.pairs == "passive":
+            steps = [fed.client_steps(cid) for cid in range(fed.num_clients)]
+            sizes = {"pos": self.params.b1, "u": self.params.b1, "neg": self.params.b2}
+            likes = []
+            for key in KEYS:
+                ends = torch.tensor(steps).cumsum(0).mul(sizes[key]).tolist()
+                self._slots[key] = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+                likes.append(torch.zeros(ends[-1], dtype=dtype))
+            fed.register_stat(_POOLS, [*likes, torch.zeros(fed.num_clients, dtype=dtype)])
+        if self.server_momentum:
+            fed.register_stat(_MOMENTUM, [torch.zeros(self._numel(fed), dtype=dtype), torch.zeros(1, dtype=dtype)])
+
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
         if not self.pools and self.params.pairs == "passive":
             first = self._minibatch_pool if self.params.init_pools == "minibatch" else self._initial_pool
             self.pools = [first(fed)]
-        self._merged = (
-            {k: torch.cat([pool[k] for pool in self.pools]) for k in ("pos", "u", "neg")} if self.pools else {}
-        )
-        self._records: dict[int, dict[str, Tensor]] = {}
-        self._momentum = WeightedMean([torch.zeros(self._numel(fed), dtype=fed.params[0].dtype)])
+        self._merged = {k: torch.cat([pool[k] for pool in self.pools]) for k in KEYS} if self.pools else {}
 
     @torch.no_grad()
     def _initial_pool(self, fed: Federation) -> dict[str, Tensor]:
@@ -155,13 +180,13 @@ class PassiveBuffer(FederatedCallback):
     def _minibatch_pool(self, fed: Federation) -> dict[str, Tensor]:
         """``H^0``, ``U^0``: each client scores ``K`` minibatches under ``w^0`` as in its local steps, no update.
 
-        Minibatches come from ``_pick`` and the inputs go through the input hooks of the parts that offer one
-        (``ClientNoise.register_input_hook``), all drawn from a ``(seed, 0, client)`` stream, in train mode as the
+        Minibatches come from ``_pick`` and the inputs go through the input noise of the run's ``ClientNoise`` parts
+        (``register_input_hook``), all drawn from a ``(seed, 0, client)`` stream, in train mode as the
         local steps; every rank computes the same pools. The net's buffers may move (BatchNorm statistics), but
         clients load the round's snapshot and the server step overwrites them.
         """
         p, gen, was_training = self.params, torch.Generator(), fed.net.training
-        hooks = [q for q in fed.parts if hasattr(q, "register_input_hook")]
+        hooks = [q for q in fed.parts if isinstance(q, ClientNoise)]
         dev = fed.params[0].device
         scores: dict[str, list[Tensor]] = {"pos": [], "neg": []}
         fed.net.train()
@@ -186,13 +211,16 @@ class PassiveBuffer(FederatedCallback):
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
         if self.params.pairs == "passive":
-            everyone = fed.gather(self._records) if fed.world_size > 1 and fed.gather else [self._records]
-            records = {cid: rec for part in everyone for cid, rec in part.items()}
-            merged = {k: torch.cat([records[c][k] for c in sorted(records)]) for k in ("pos", "u", "neg")}
+            *pools, present = fed.stat(_POOLS)
+            counts = present.tolist()
+            if max(counts) > 1:  # two local runs of one client (duplicates=repeat) would add up in one slot
+                raise RuntimeError(f"FeDXL: a client recorded its scores {max(counts):g} times in round {rnd.round}")
+            cids = [cid for cid, c in enumerate(counts) if c > 0]
+            merged = {k: torch.cat([v[self._slots[k][c]] for c in cids]).double().cpu() for k, v in zip(KEYS, pools)}
             self.pools = (self.pools + [merged])[-self.params.depth :]
         if self.server_momentum:
-            self._momentum.sync(fed.reduce_sum if fed.world_size > 1 else None)
-            self.gbar = self._momentum.compute()[0].clone()
+            total, count = fed.stat(_MOMENTUM)
+            self.gbar = (total / count[0]).to(fed.params[0].dtype)
 
     # ------------------------------------------------------------------ client
     def score(self, outputs: Tensor) -> Tensor:
@@ -282,8 +310,8 @@ class PassiveBuffer(FederatedCallback):
         else:
             u = torch.ones_like(a)
             surrogate = xrisk.linear_surrogate(a, b, hn, hp, self.ell)
-        for key, value in (("pos", a), ("u", u), ("neg", b)):
-            s["rec"][key].append(value.detach().cpu())
+        for key, value in zip(KEYS, (a, u, b)):
+            s["rec"][key].append(value.detach())
         return surrogate
 
     def _local_pairs(self, a: Tensor, b: Tensor, s: dict[str, Any]) -> Tensor:
@@ -309,14 +337,20 @@ class PassiveBuffer(FederatedCallback):
         torch._foreach_copy_(grads, m)  # the SGD step then moves w by -eta m
 
     @override
+    @torch.no_grad()
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
         s = client.extras.pop("fedxl")
-        if s["rec"]["pos"]:
-            self._records[client.cid] = {k: torch.cat(v).double() for k, v in s["rec"].items()}
+        if s["rec"]["pos"]:  # committed here, so a dropped client records nothing
+            *pools, present = fed.stat(_POOLS)
+            for key, pool in zip(KEYS, pools):
+                pool[self._slots[key][client.cid]] = torch.cat(s["rec"][key])
+            present[client.cid] += 1
         if self.params.compositional:
             client.state["u"] = s["u"]
         if self.server_momentum:
-            self._momentum.update([s["m"]], 1.0)
+            total, count = fed.stat(_MOMENTUM)
+            total += s["m"]
+            count += 1
         elif self.params.beta < 1 and self.params.momentum_sync == "client":
             client.state["m"] = s["m"]
 

@@ -21,8 +21,9 @@ How it maps onto the round protocol (no change to it): a client's aggregation we
 ``on_server_step`` moves the parameter entries of the mean to that point, so the default server optimizer
 (sgd, lr 1) lands on :math:`w^{t+1}` exactly; another server optimizer sees the pseudo-gradient
 :math:`\\sum \\Delta_k / \\sum h_k`. The federation multiplies every weight by one positive per-round scale, which
-cancels in :math:`\\bar w` (a ratio); ``s`` uses this part's own unscaled sums, all-reduced once per round (2
-numbers). ``q = 0`` gives :math:`a_k = 1, h_k = L, s = 1`: the uniform mean, i.e. FedAvg with ``weighting: uniform``.
+cancels in :math:`\\bar w` (a ratio); ``s`` uses this part's own unscaled sums (2 numbers, a registered statistic in
+the model's dtype) that ride in the round's one all-reduce. ``q = 0`` gives :math:`a_k = 1, h_k = L, s = 1`: the
+uniform mean, i.e. FedAvg with ``weighting: uniform``.
 
 Choices the paper leaves open:
 
@@ -42,8 +43,8 @@ Choices the paper leaves open:
   negative or non-finite ``F_k`` stops the run, and so does a round with :math:`\\sum h_k \\notin (0, \\infty)`. If
   every sampled client has ``F_k = 0`` with ``q > 0``, all weights are 0 and the federation's mean itself raises.
 
-State lives for one round only (the two sums and each client's ``F_k``): nothing to checkpoint, so ``state_dict``
-is Lightning's empty default.
+State lives for one round only (the two sums, zeroed by the federation at each round start, and each client's
+``F_k``): nothing to checkpoint, so ``state_dict`` is Lightning's empty default.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from flx.hooks import FederatedCallback
 if TYPE_CHECKING:
     from flx.context import ClientContext, RoundContext
     from flx.federation import Federation
+
+_SUMS = "qffl/sums"  # the registered statistic (sum a_k, sum h_k)
 
 
 def qffl_terms(loss: float, sq_dist: float, q: float, lipschitz: float) -> tuple[float, float]:
@@ -101,21 +104,19 @@ class QFFL(FederatedCallback):
             raise bad_value("algo.lipschitz", lipschitz, "must be a finite number > 0, or null for 1/algo.lr")
         self.params = QFFLParams(q=float(q), lipschitz=None if lipschitz is None else float(lipschitz))
         self.L = 0.0
-        self._sums = torch.zeros(2, dtype=torch.float64)  # (sum a_k, sum h_k) over this rank's clients
+
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        self.L = 1.0 / fed.cfg.lr if self.params.lipschitz is None else self.params.lipschitz
+        # (sum a_k, sum h_k): this rank's clients, summed over ranks by the round's all-reduce. The model's dtype, so
+        # an fp32 model keeps an fp32 round buffer; s is a ratio of two sums, fp32 rounding (1e-7) is harmless
+        fed.register_stat(_SUMS, torch.zeros(2, dtype=fed.params[0].dtype))
 
     # ------------------------------------------------------------------ server
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
-        self.L = 1.0 / fed.cfg.lr if self.params.lipschitz is None else self.params.lipschitz
-        self._sums.zero_()
-
-    @override
     @torch.no_grad()
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
-        sums = self._sums
-        if fed.world_size > 1:
-            sums = fed.reduce_sum(sums.to(fed.params[0].device)).cpu()
-        sum_a, sum_h = float(sums[0]), float(sums[1])
+        sum_a, sum_h = fed.stat(_SUMS).tolist()
         if not 0 < sum_h < math.inf:
             raise RuntimeError(f"q-FFL round {rnd.round}: sum of h_k is {sum_h}, the server step needs it in (0, inf)")
         s = self.L * sum_a / sum_h
@@ -139,4 +140,6 @@ class QFFL(FederatedCallback):
         sq_dist = float(torch.stack(torch._foreach_norm(diff)).double().square().sum())
         a, h = qffl_terms(client.extras.pop("qffl_loss"), sq_dist, self.params.q, self.L)
         client.weight = draws * a
-        self._sums += torch.tensor([draws * a, draws * h], dtype=torch.float64)
+        sums = fed.stat(_SUMS)
+        sums[0] += draws * a
+        sums[1] += draws * h

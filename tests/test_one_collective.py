@@ -1,0 +1,187 @@
+"""One collective per round: the shipped parts' per-round statistics ride in the round's single all-reduce.
+
+Two ranks are simulated by two threads that take turns (one runs at a time, so the global RNG streams are as on
+two processes) and meet at every collective; each collective is logged with the rank, the round and the phase. The
+only other collectives are the core's: the client-state all-gather, in rounds where some client stored state
+(FeDXL2's ``u`` tables, CODASCA's control variates), and ClientLoss's evaluation reduce on validated rounds.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import binary_store, make_fed, run_rounds, toy_data
+from torch import Tensor, nn
+
+from flx.callbacks.client_loss import ClientLoss, client_train_losses
+from flx.callbacks.client_noise import ClientNoise
+from flx.callbacks.codasca import Codasca
+from flx.callbacks.lambda_sampling import LambdaSampling
+from flx.callbacks.passive_buffer import PassiveBuffer
+from flx.callbacks.qffl import QFFL
+from flx.federation import Federation
+
+ROUNDS, TIMEOUT_S = 3, 60.0
+
+
+class Group:
+    """``world`` simulated ranks as threads: rank ``r`` runs until its next collective, then rank ``r + 1`` does; the
+    last rank to arrive combines the values and hands the turn back to rank 0."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.turn = [threading.Semaphore(0) for _ in range(world)]
+        self.values: list[Any] = [None] * world
+        self.kinds: list[str] = [""] * world
+        self.result: Any = None
+        self.where: list[tuple[int, str]] = [(-1, "setup")] * world  # (round, phase) each rank is in
+        self.log: list[list[tuple[int, str, str]]] = [[] for _ in range(world)]  # (round, phase, kind) per rank
+
+    def _wait(self, rank: int) -> None:
+        if not self.turn[rank].acquire(timeout=TIMEOUT_S):
+            raise TimeoutError(f"rank {rank}: the other ranks never reached the same collective")
+
+    def collective(self, rank: int, kind: str, value: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        self.log[rank].append((*self.where[rank], kind))
+        self.values[rank], self.kinds[rank] = value, kind
+        if rank == self.world - 1:
+            assert len(set(self.kinds)) == 1, f"ranks called different collectives: {self.kinds}"
+            self.result = combine(self.values)
+        self.turn[(rank + 1) % self.world].release()
+        self._wait(rank)
+        return copy.deepcopy(self.result)  # each rank gets its own copy, as from a real process group
+
+    def reduce_sum(self, rank: int) -> Callable[[Tensor], Tensor]:
+        return lambda t: self.collective(rank, "reduce", t.clone(), lambda ts: sum(ts[1:], ts[0]))
+
+    def gather(self, rank: int) -> Callable[[Any], list[Any]]:
+        return lambda obj: self.collective(rank, "gather", copy.deepcopy(obj), list)
+
+    def run(self, jobs: list[Callable[[], None]]) -> None:
+        """Runs ``jobs[r]`` as rank ``r``; re-raises the first error."""
+        errors: list[BaseException] = []
+
+        def body(rank: int) -> None:
+            try:
+                self._wait(rank)
+                jobs[rank]()
+            except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread
+                errors.append(e)
+            if rank < self.world - 1:
+                self.turn[rank + 1].release()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        self.turn[0].release()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+
+def _net(out: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, out)).to(torch.float64)
+
+
+MULTICLASS = dict(clients_per_round=4, local_steps=3, lr=0.2, batch_size=4, seed=1)
+BINARY = dict(clients_per_round=3, local_steps=3, lr=0.2, batch_size=4, weighting="uniform")
+
+# name -> (parts, binary task, extra config, client-state gathers per round, evaluation reduces per round)
+CASES: dict[str, tuple[Callable[[], list], bool, dict, int, int]] = {
+    "fedavg": (lambda: [], False, {}, 0, 0),
+    "drfa": (lambda: [LambdaSampling(gamma=0.3, eval_batch=3)], False, {"weighting": "uniform"}, 0, 0),
+    "drfa_ga": (
+        lambda: [LambdaSampling(gamma=0.3, mode="ga", regularizer="chi2", rho=0.5)],
+        False,
+        {"weighting": "uniform"},
+        0,
+        0,
+    ),
+    "afl": (lambda: [LambdaSampling(gamma=0.3)], False, {"weighting": "uniform", "local_steps": 1}, 0, 0),
+    "qffl": (lambda: [QFFL(q=1.5)], False, {}, 0, 0),
+    "client_loss": (lambda: [ClientLoss()], False, {}, 0, 1),
+    "codasca": (lambda: [Codasca(t0=6)], True, {}, 1, 0),
+    "fedxl1": (
+        lambda: [PassiveBuffer(b1=2, b2=3, loss="psm", compositional=False, beta=1.0), ClientNoise()],
+        True,
+        {},
+        0,
+        0,
+    ),
+    "fedxl2": (lambda: [PassiveBuffer(b1=2, b2=3, gamma=0.5, beta=0.5), ClientNoise()], True, {}, 1, 0),
+}
+
+
+def _build(name: str, **kw: Any) -> Federation:
+    parts, binary, extra, _, _ = CASES[name]
+    if binary:
+        data = binary_store([4, 6, 5, 3, 5], [7, 5, 9, 6, 4], dim=5, seed=1, shift=0.5)
+        return make_fed(_net(2), data, parts=parts(), **{**BINARY, **extra, **kw})
+    data = toy_data([7, 12, 30, 4, 19, 25], dtype=torch.float64)
+    return make_fed(_net(), data, parts=parts(), **{**MULTICLASS, **extra, **kw})
+
+
+def _evaluates(name: str) -> bool:
+    return CASES[name][4] > 0
+
+
+def _two_ranks(name: str) -> tuple[list[Federation], Group, list[list[Tensor]]]:
+    group = Group(2)
+    ranks = [_build(name, rank=r, world_size=2, reduce_sum=group.reduce_sum(r), gather=group.gather(r)) for r in (0, 1)]
+    losses: list[list[Tensor]] = [[], []]
+
+    def job(rank: int) -> Callable[[], None]:
+        def drive() -> None:
+            fed = ranks[rank]
+            for t in range(ROUNDS):
+                group.where[rank] = (t, "round")
+                run_rounds(fed, 1, start=t)
+                if _evaluates(name):  # what ClientLoss does on a validated round
+                    group.where[rank] = (t, "eval")
+                    losses[rank].append(client_train_losses(fed))
+
+        return drive
+
+    group.run([job(0), job(1)])
+    return ranks, group, losses
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_round_is_one_reduce_and_two_ranks_equal_one(name: str) -> None:
+    """Per round and rank: exactly one all-reduce, no gather except the core's client-state gather (parts that keep
+    ``client.state``), and ClientLoss's one evaluation reduce on validated rounds. The 2-rank model, the parts' state
+    (lambda, pools, server momentum, CODASCA's server state) and the client stores equal the 1-rank run."""
+    _, _, _, gathers, evals = CASES[name]
+    ranks, group, losses = _two_ranks(name)
+    for rank in (0, 1):
+        counts = Counter(group.log[rank])
+        for t in range(ROUNDS):
+            assert counts[(t, "round", "reduce")] == 1, (rank, t, group.log[rank])
+            assert counts[(t, "round", "gather")] == gathers, (rank, t, group.log[rank])
+            assert counts[(t, "eval", "reduce")] == evals, (rank, t, group.log[rank])
+        assert sum(counts.values()) == ROUNDS * (1 + gathers + evals), group.log[rank]
+
+    single = _build(name)
+    single_losses = []
+    for t in range(ROUNDS):
+        run_rounds(single, 1, start=t)
+        if _evaluates(name):
+            single_losses.append(client_train_losses(single))
+    for fed in ranks:
+        for a, b in zip(fed.net.state_dict().values(), single.net.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        for part, ref in zip(fed.parts, single.parts):
+            torch.testing.assert_close(part.state_dict(), ref.state_dict(), rtol=0, atol=1e-12)
+        assert fed.store.client_ids() == single.store.client_ids()
+        for cid in single.store.client_ids():
+            torch.testing.assert_close(fed.store.get(cid), single.store.get(cid), rtol=0, atol=1e-12)
+    for got in losses:
+        torch.testing.assert_close(got, single_losses, rtol=0, atol=1e-12)
