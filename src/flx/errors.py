@@ -27,3 +27,16 @@ def not_binary(algo: str, classes: int) -> ConfigError:
     return ConfigError(
         f"data: {algo} needs a binary task (labels 0/1), the data has {classes} classes: use {BINARY_DATA}"
     )
+
+
+def instantiate(cfg: Any, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate``, with a :class:`ConfigError` raised by the target passed through unwrapped (one line)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(cfg, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise

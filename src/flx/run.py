@@ -9,13 +9,10 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate as _hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
@@ -26,10 +23,9 @@ from flx.callbacks.checkpoint import LAST, slurm_job_id
 from flx.checkpoint_io import AtomicCheckpointIO
 from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.errors import ConfigError, bad_value
+from flx.errors import bad_value, instantiate
 from flx.federation import Federation, FederationConfig
-from flx.models import heads
-from flx.models.init import init_weights
+from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
@@ -47,16 +43,6 @@ for _name in ("lightning.pytorch", "lightning.fabric"):
     for _handler in logging.getLogger(_name).handlers:
         if isinstance(_handler, logging.StreamHandler) and _handler.stream is sys.stderr:
             _handler.setStream(sys.stdout)
-
-
-def instantiate(cfg: Any, **kwargs: Any) -> Any:
-    """Hydra's ``instantiate``, with a :class:`ConfigError` raised by the target passed through unwrapped."""
-    try:
-        return _hydra_instantiate(cfg, **kwargs)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):
-            raise e.__cause__ from None
-        raise
 
 
 def federation_config(cfg: DictConfig) -> FederationConfig:
@@ -105,17 +91,6 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     trainer_cfg = {k: v for k, v in cfg.trainer.items() if k != "process_group_backend"}
     trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
     return loop.install(trainer)
-
-
-def build_net(model: DictConfig, input_shape: Sequence[int], num_classes: int) -> torch.nn.Module:
-    """The net of ``model=`` config. ``model.binary_head`` and ``model.init`` are flx's keys, not arguments of the
-    net's constructor: one_logit builds the net with one output column (:mod:`flx.models.heads`); init sets the
-    starting weights (:mod:`flx.models.init`)."""
-    net_cfg = {k: v for k, v in model.items() if k not in ("binary_head", "init")}
-    outputs = heads.num_outputs(model.get("binary_head", "two_logits"), num_classes)
-    net = instantiate(net_cfg, input_shape=list(input_shape), num_classes=outputs)
-    init_weights(net, model.get("init", "default"))
-    return net
 
 
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
