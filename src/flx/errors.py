@@ -7,6 +7,7 @@ Anything the user can get wrong (a config value, a missing dataset, a bad checkp
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -27,6 +28,14 @@ def not_binary(algo: str, classes: int) -> ConfigError:
     return ConfigError(
         f"data: {algo} needs a binary task (labels 0/1), the data has {classes} classes: use {BINARY_DATA}"
     )
+
+
+def existing_file(key: str, path: Any) -> Path:
+    """The file ``path`` (``~`` expanded), or a one-line error ``key=path: no such file (looked at <absolute>)``."""
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        raise bad_value(key, path, f"no such file (looked at {file.resolve()})")
+    return file
 
 
 def instantiate(cfg: Any, **kwargs: Any) -> Any:

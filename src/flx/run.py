@@ -27,6 +27,7 @@ from flx.errors import bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule
+from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
@@ -108,6 +109,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         eval_test=bool(cfg.get("eval_test", False)),
     )
     dm.setup("fit")
+    dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
