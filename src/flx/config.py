@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value, not_binary
 from flx.models.head_spec import num_outputs
+from flx.resources import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -138,7 +139,7 @@ def _check_added_keys(overrides: Sequence[str], cfg: DictConfig, config_dir: str
         key, sep, value = ov.lstrip("+").partition("=")
         if not sep or "." not in key and os.path.isdir(os.path.join(config_dir, key)) or key.startswith("hydra"):
             continue  # a config group (+experiment=...), or Hydra's own settings
-        if _inside_target(cfg, key) or "${" + key + "}" in text:
+        if _inside_target(cfg, key) or "${" + key + "}" in text or key.startswith(SERVER_MODELS):
             continue
         leaf = key.rsplit(".", 1)[-1]
         same = [k for k in flatten(OmegaConf.to_container(cfg, resolve=False)) if k.endswith(f".{leaf}") and k != key]
@@ -151,9 +152,8 @@ def data_protocol(cfg: DictConfig) -> Any:
     from flx.datamodules.protocol import DataProtocol
 
     d = cfg.data
-    return DataProtocol(
-        d.get("val_fraction", 0.0), d.get("split_seed", 0), d.get("split_file"), d.get("standardize", True)
-    )
+    defaults = {"val_fraction": 0.0, "split_seed": 0, "split_file": None, "standardize": True, "server_fraction": 0.0}
+    return DataProtocol(**{k: d.get(k, v) for k, v in defaults.items()})
 
 
 def _check_partition(cfg: DictConfig) -> None:
@@ -385,12 +385,14 @@ def validate(cfg: DictConfig) -> None:
     _check_run(cfg)
     _check_task(cfg)
     _check_ckpt(cfg)
+    check_server(cfg)
 
 
 def _check_data(cfg: DictConfig) -> None:
     """The ``data.*`` protocol keys, ``partition.seed`` and ``eval_test`` (no torch import: the pre-run check)."""
-    if cfg.data.get("val_fraction") is not None:
-        _check(cfg, "data.val_fraction", lambda v: 0 <= v < 1, "must be in [0, 1) (0: no validation split)")
+    for key, split in (("val_fraction", "validation"), ("server_fraction", "server")):
+        if cfg.data.get(key) is not None:
+            _check(cfg, f"data.{key}", lambda v: 0 <= v < 1, f"must be in [0, 1) (0: no {split} split)")
     for key in ("data.split_seed", "partition.seed"):
         if OmegaConf.select(cfg, key) is not None:
             _int(cfg, key, 0)

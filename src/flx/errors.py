@@ -7,6 +7,7 @@ Anything the user can get wrong (a config value, a missing dataset, a bad checkp
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -27,3 +28,24 @@ def not_binary(algo: str, classes: int) -> ConfigError:
     return ConfigError(
         f"data: {algo} needs a binary task (labels 0/1), the data has {classes} classes: use {BINARY_DATA}"
     )
+
+
+def existing_file(key: str, path: Any) -> Path:
+    """The file ``path`` (``~`` expanded), or a one-line error ``key=path: no such file (looked at <absolute>)``."""
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        raise bad_value(key, path, f"no such file (looked at {file.resolve()})")
+    return file
+
+
+def instantiate(cfg: Any, **kwargs: Any) -> Any:
+    """Hydra's ``instantiate``, with a :class:`ConfigError` raised by the target passed through unwrapped (one line)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(cfg, **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise

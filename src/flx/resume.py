@@ -26,6 +26,8 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
 
     data = {k: v for k, v in (plain("data") or {}).items() if k not in ("eval_batch_size", "name")}
     data.get("loader", {}).pop("root", None)  # the same files may move
+    if not data.get("server_fraction"):  # no server split: as checkpoints written before the key existed
+        data.pop("server_fraction", None)
     parts = plain("algo.parts") or {}
     return {
         "model": plain("model"),

@@ -10,13 +10,10 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate as _hydra_instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
@@ -25,12 +22,12 @@ from flx import loop
 from flx.checkpoint_io import LAST, AtomicCheckpointIO, slurm_job_id
 from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.errors import ConfigError, bad_value
+from flx.errors import bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
-from flx.models import heads
-from flx.models.init import init_weights
+from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule
+from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
@@ -50,16 +47,6 @@ for _name in ("lightning.pytorch", "lightning.fabric"):
     for _handler in logging.getLogger(_name).handlers:
         if isinstance(_handler, logging.StreamHandler) and _handler.stream is sys.stderr:
             _handler.setStream(sys.stdout)
-
-
-def instantiate(cfg: Any, **kwargs: Any) -> Any:
-    """Hydra's ``instantiate``, with a :class:`ConfigError` raised by the target passed through unwrapped."""
-    try:
-        return _hydra_instantiate(cfg, **kwargs)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):
-            raise e.__cause__ from None
-        raise
 
 
 def federation_config(cfg: DictConfig) -> FederationConfig:
@@ -101,17 +88,6 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     return loop.install(trainer)
 
 
-def build_net(model: DictConfig, input_shape: Sequence[int], num_classes: int) -> torch.nn.Module:
-    """The net of ``model=`` config. ``model.binary_head`` and ``model.init`` are flx's keys, not arguments of the
-    net's constructor: one_logit builds the net with one output column (:mod:`flx.models.heads`); init sets the
-    starting weights (:mod:`flx.models.init`)."""
-    net_cfg = {k: v for k, v in model.items() if k not in ("binary_head", "init")}
-    outputs = heads.num_outputs(model.get("binary_head", "two_logits"), num_classes)
-    net = instantiate(net_cfg, input_shape=list(input_shape), num_classes=outputs)
-    init_weights(net, model.get("init", "default"))
-    return net
-
-
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
     if cfg.get("num_threads"):
@@ -127,6 +103,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         eval_test=bool(cfg.get("eval_test", False)),
     )
     dm.setup("fit")
+    dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)

@@ -11,6 +11,7 @@ Guo, Jin, Luo, Yang, "FeDXL", ICML 2023 (§3 of the digest): CIFAR-10/100 made b
 * with a ``protocol`` (as :class:`~flx.datamodules.datamodule.FederatedDataModule` calls it), the validation split is
   carved from the source's training rows FIRST (:func:`flx.datamodules.protocol.carve`): the validation rows keep
   the natural ratio and clean labels, like the test split; only the remaining training rows are subsampled and flipped.
+  So are the server rows (``data.server_fraction``, the tail of the training split): never subsampled or flipped.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def binarize(
         raise bad_value("data.loader.flip_rate", flip_rate, "must be in [0, 0.5)")
     rng = np.random.default_rng(seed)
     y_train, y_test = _is_positive(data.y_train, pos), _is_positive(data.y_test, pos)
-    keep = _keep_for_ratio(y_train.numpy(), imratio, rng)
-    y_train = _flip(y_train[keep], flip_rate, rng)
+    n = data.num_client_rows  # the server rows after them are kept whole, with clean labels
+    keep = _keep_for_ratio(y_train[:n].numpy(), imratio, rng)
+    y_train = torch.cat([_flip(y_train[keep], flip_rate, rng), y_train[n:]])
+    keep = torch.cat([keep, torch.arange(n, len(data.y_train))])
     y_val = None if data.y_val is None else _is_positive(data.y_val, pos)
     return replace(
         data,

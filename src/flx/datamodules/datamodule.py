@@ -7,12 +7,15 @@ imbalance, label noise or partitioning: :mod:`flx.datamodules.protocol`) and tes
 sharded over ranks without padding (so metrics are exact), each followed by a per-client loader (``client_eval``).
 With no validation split (``data.val_fraction=0``) the validation loop is skipped, unless ``eval_test`` adds the
 test loaders to it (test curves per round, logged as ``test/*``).
+The server split (``data.server_fraction``, carved after the validation split) is ``server_rows``: rows of the same
+training store the clients index, held by no client; ``server_resources`` carries it to the server with its frozen
+models (:mod:`flx.resources`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -24,6 +27,9 @@ from flx.datamodules.protocol import DataProtocol, load, save_split
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.loop import RoundLoader
+
+if TYPE_CHECKING:
+    from flx.resources import ServerResources
 
 
 class TensorBatches:
@@ -90,13 +96,16 @@ class FederatedDataModule(pl.LightningDataModule):
         self.dataset, self.partitioner, self.seed, self.eval_batch_size = dataset, partitioner, seed, eval_batch_size
         self.client_eval, self.protocol, self.eval_test = client_eval, protocol or DataProtocol(), eval_test
         self.data: TensorData | None = None
+        self.server_resources: ServerResources | None = None  # set by flx.run.build (flx.resources)
 
     def setup(self, stage: str | None = None) -> None:
         if self.data is not None:
             return
         self.data = load(self.dataset, self.protocol)
-        groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train.numpy()}
-        self.split = self.partitioner(self.data.y_train.numpy(), self.seed, **groups)
+        n = self._client_pool_size()
+        groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train[:n].numpy()}
+        self.split = self.partitioner(self.data.y_train[:n].numpy(), self.seed, **groups)
+        self.server_rows = torch.arange(n, len(self.data.y_train))
         self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in self.split.train]
         self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in self.split.test]
         d = self.data
@@ -104,8 +113,19 @@ class FederatedDataModule(pl.LightningDataModule):
         self._client_rows["val"] = self._global_rows(d.y_val, d.groups_val) if d.num_val else []
         self.clients = ClientStore(self.data.x_train, self.data.y_train, self.client_train)
 
+    def _client_pool_size(self) -> int:
+        """The client-side training rows (the partitioner's input), checked to leave a row for every client."""
+        n, clients = self.data.num_client_rows, getattr(self.partitioner, "num_clients", 0)
+        if self.data.num_server and n < clients:
+            p = self.protocol
+            why = f"leaves {n} client-side training rows for {clients} clients (partition.num_clients)"
+            if p.split_file:
+                raise bad_value("data.split_file", p.split_file, f"its 'server' list {why}; list fewer server rows")
+            raise bad_value("data.server_fraction", p.server_fraction, f"{why}; lower it")
+        return n
+
     def save(self, folder: str) -> None:
-        """Writes ``data_split.json`` (pool ids of train / val / test, before any imbalance subsample: the
+        """Writes ``data_split.json`` (pool ids of train / val / test / server, before any imbalance subsample: the
         ``data.split_file`` format) and ``partition.json`` (each client's rows: the ``partition=from_file`` format)."""
         if self.data is not None and self.data.rows is not None:
             save_split(f"{folder}/data_split.json", self.data.rows)

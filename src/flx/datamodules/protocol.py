@@ -4,14 +4,20 @@ Order of operations (``FederatedDataModule.setup``):
 
 1. the loader reads the dataset, raw-scaled (pixels / 255, digits / 16, tables as they are);
 2. :func:`carve` picks the rows: ``data.split_file`` (exact indices), or else a stratified
-   ``data.val_fraction`` of the TRAINING rows moved to the validation split, drawn with ``data.split_seed``;
+   ``data.val_fraction`` of the TRAINING rows moved to the validation split, then a stratified
+   ``data.server_fraction`` of the remaining training rows moved to the server split, both drawn with
+   ``data.split_seed``;
 3. loaders that change training rows (:func:`flx.datamodules.binary.binarize`: the imbalance subsample and the
-   label flips) do so only now, on the training rows, so the validation rows are never subsampled or flipped;
-4. :func:`standardized` z-scores every split with the mean/std of the final training rows
+   label flips) do so only now, on the client-side training rows, so the validation and server rows are never
+   subsampled or flipped;
+4. :func:`standardized` z-scores every split with the mean/std of the final client-side training rows
    (``data.standardize``);
-5. the partitioner splits the training rows over the clients (``partition.seed``).
+5. the partitioner splits the client-side training rows over the clients (``partition.seed``).
 
 Row ids ("pool" ids) number the loader's training rows ``0..N-1`` and then its test rows ``N..N+M-1``.
+The server split (the data only the server holds, e.g. AugFL's D_s) lives in the training tensors,
+after the client-side rows: the last ``TensorData.num_server`` rows of ``x_train`` / ``y_train``, so the server indexes
+the same store as the clients, with no copy, and no partitioner ever sees those rows.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from flx.datamodules.partition_file import check_disjoint, index_array, read_jso
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 
-SPLITS = ("train", "val", "test")
+SPLITS = ("train", "val", "test", "server")
 
 
 @dataclass(frozen=True)
@@ -44,19 +50,23 @@ class DataProtocol:
             ``0`` = no validation split (the validation loop is skipped).
         split_seed: seed of the validation carve (and, through the configs, of the bundled train/test split, the
             imbalance subsample and the label flips): fixed, so the data do not change with the run's ``seed``.
-        split_file: a JSON file with exact ``train`` / ``val`` / ``test`` pool ids; overrides ``val_fraction``.
-        standardize: z-score inputs with the training rows' statistics (``False``: the raw scaling).
+        split_file: a JSON file with exact ``train`` / ``val`` / ``test`` (/ ``server``) pool ids; overrides
+            ``val_fraction`` and ``server_fraction``.
+        standardize: z-score inputs with the client-side training rows' statistics (``False``: the raw scaling).
+        server_fraction: fraction of each class of the training rows left after the validation carve that goes to
+            the server split (no client sees it), in ``[0, 1)``; ``0`` = no server split.
     """
 
     val_fraction: float = 0.0
     split_seed: int = 0
     split_file: str | None = None
     standardize: bool = True
+    server_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        f = self.val_fraction
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
-            raise bad_value("data.val_fraction", f, "must be a number in [0, 1) (0: no validation split)")
+        for key, f, what in (("val", self.val_fraction, "validation"), ("server", self.server_fraction, "server")):
+            if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
+                raise bad_value(f"data.{key}_fraction", f, f"must be a number in [0, 1) (0: no {what} split)")
         s = self.split_seed
         if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
             raise bad_value("data.split_seed", s, "must be an integer >= 0")
@@ -78,14 +88,12 @@ def _counts(labels: np.ndarray) -> list[tuple[int, int]]:
 
 
 def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
-    """Picks the train / val / test rows (``protocol.split_file``, else a stratified validation carve)."""
+    """Picks the train / val / test / server rows (``protocol.split_file``, else the stratified carves)."""
     n, m = len(data.y_train), len(data.y_test)
     if protocol.split_file is not None:
         rows = read_split_file(protocol.split_file, n, m)
     else:
-        rng = np.random.default_rng(protocol.split_seed)
-        val = stratified_holdout(data.y_train.numpy(), protocol.val_fraction, rng)
-        rows = {"train": np.setdiff1d(np.arange(n), val), "val": val, "test": np.arange(n, n + m)}
+        rows = carved_rows(data.y_train.numpy(), m, protocol)
     if not len(rows["test"]) and protocol.split_file is None:  # data.test_fraction=null and no file
         raise bad_value(
             "data.test_fraction", None, "no test split: set a fraction, or list the test rows in data.split_file"
@@ -95,10 +103,28 @@ def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
     return select(data, rows)
 
 
+def carved_rows(y: np.ndarray, num_test: int, protocol: DataProtocol) -> dict[str, np.ndarray]:
+    """Pool ids of the stratified carves: ``val_fraction`` of the training rows ``y`` (labels), then
+    ``server_fraction`` of the rest, drawn in that order from one generator seeded with ``split_seed`` (so the server
+    carve never changes the validation rows); the test split is the loader's test rows."""
+    n = len(y)
+    rng = np.random.default_rng(protocol.split_seed)
+    val = stratified_holdout(y, protocol.val_fraction, rng)
+    rest = np.setdiff1d(np.arange(n), val)
+    server = rest[stratified_holdout(y[rest], protocol.server_fraction, rng)]
+    train = np.setdiff1d(rest, server)
+    if protocol.server_fraction and not len(train):
+        why = f"leaves no client-side training rows (of the {len(rest)} left after the validation split); lower it"
+        raise bad_value("data.server_fraction", protocol.server_fraction, why)
+    return {"train": train, "val": val, "test": np.arange(n, n + num_test), "server": server}
+
+
 def select(data: TensorData, rows: dict[str, np.ndarray]) -> TensorData:
-    """The data with splits made of the given pool ids (``TensorData.rows`` records them)."""
+    """The data with splits made of the given pool ids (``TensorData.rows`` records them); the server rows are stored
+    after the client-side training rows, in the training tensors (``TensorData.num_server``)."""
     n = len(data.y_train)
     ids = {k: torch.as_tensor(rows.get(k, np.empty(0, np.int64)), dtype=torch.long) for k in SPLITS}
+    stored = {"train": torch.cat([ids["train"], ids["server"]]), "val": ids["val"], "test": ids["test"]}
 
     def take(train: Tensor | None, test: Tensor | None, i: Tensor) -> Tensor | None:
         if train is None or test is None:
@@ -116,7 +142,7 @@ def select(data: TensorData, rows: dict[str, np.ndarray]) -> TensorData:
                 (data.groups_train, data.groups_test),
             )
         ]
-        for k, i in ids.items()
+        for k, i in stored.items()
     }
     return replace(
         data,
@@ -130,6 +156,7 @@ def select(data: TensorData, rows: dict[str, np.ndarray]) -> TensorData:
         y_test=split["test"][1],
         groups_test=split["test"][2],
         rows={k: i.numpy() for k, i in ids.items()},
+        num_server=len(ids["server"]),
     )
 
 
@@ -147,11 +174,12 @@ def channel_stats(x: Tensor, chunk: int = 4096) -> tuple[Tensor, Tensor]:
 
 
 def standardized(data: TensorData) -> TensorData:
-    """Every split z-scored with the training rows' mean and (population) std: per channel for ``(N, C, ...)``
-    inputs, per feature for ``(N, D)``; a zero std counts as 1. Integer inputs (token ids) are left as they are."""
+    """Every split z-scored with the client-side training rows' mean and (population) std: per channel for
+    ``(N, C, ...)`` inputs, per feature for ``(N, D)``; a zero std counts as 1. The server rows are scaled like the
+    validation rows, with the clients' statistics. Integer inputs (token ids) are left as they are."""
     if not data.x_train.is_floating_point():
         return data
-    mean, std = (s.float() for s in channel_stats(data.x_train))
+    mean, std = (s.float() for s in channel_stats(data.x_train[: data.num_client_rows]))
 
     def z(x: Tensor | None) -> Tensor | None:
         return None if x is None else (x - mean).div_(std)
@@ -178,14 +206,15 @@ def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol
 
 # ------------------------------------------------------------------------------------------------ JSON files
 def read_split_file(path: str, num_train: int, num_test: int) -> dict[str, np.ndarray]:
-    """Reads ``{"train": [...], "val": [...], "test": [...]}`` (pool ids; ``val`` and ``test`` optional).
+    """Reads ``{"train": [...], "val": [...], "test": [...], "server": [...]}`` (pool ids; all but ``train`` optional).
 
     Without ``test`` the loader's test rows (``N..N+M-1``) are the test split, and may not be listed elsewhere.
     """
     key, size = "data.split_file", num_train + num_test
     obj = read_json(path, key)
     if not isinstance(obj, dict) or "train" not in obj or set(obj) - set(SPLITS):
-        raise bad_value(key, path, "must hold a JSON object with 'train' and optional 'val', 'test' lists of row ids")
+        why = "must hold a JSON object with 'train' and optional 'val', 'test', 'server' lists of row ids"
+        raise bad_value(key, path, why)
     rows = {k: index_array(obj.get(k, []), key, path, f"'{k}'") for k in SPLITS}
     if "test" not in obj:
         rows["test"] = np.arange(num_train, size)
@@ -196,5 +225,6 @@ def read_split_file(path: str, num_train: int, num_test: int) -> dict[str, np.nd
 
 
 def save_split(path: str | Path, rows: dict[str, np.ndarray]) -> None:
-    """Writes the pool ids of each split in the format of :func:`read_split_file`."""
-    Path(path).write_text(json.dumps({k: np.asarray(rows[k]).tolist() for k in SPLITS if k in rows}))
+    """Writes the pool ids of each split in the format of :func:`read_split_file` (``server`` only when it has rows)."""
+    kept = [k for k in SPLITS if k in rows and (k != "server" or len(rows[k]))]
+    Path(path).write_text(json.dumps({k: np.asarray(rows[k]).tolist() for k in kept}))

@@ -29,7 +29,11 @@ class TensorData:
         x_val, y_val, groups_val: the validation split (rows carved from the training split by
             :func:`flx.datamodules.protocol.carve`), or ``None`` when the data have not been carved.
         rows: after the carve, the pool ids (training rows ``0..N-1``, then test rows ``N..``) of each split
-            (``train``, ``val``, ``test``), before any imbalance subsample; ``None`` before.
+            (``train``: the client-side rows, ``val``, ``test``, ``server``), before any imbalance subsample; ``None``
+            before.
+        num_server: the server split (``data.server_fraction``): the LAST ``num_server`` rows of ``x_train`` /
+            ``y_train`` (/ ``groups_train``). No client holds them and the partitioner never sees them; the clients'
+            rows are the first :attr:`num_client_rows`.
     """
 
     x_train: Tensor
@@ -45,6 +49,12 @@ class TensorData:
     y_val: Tensor | None = None
     groups_val: Tensor | None = None
     rows: dict[str, np.ndarray] | None = None
+    num_server: int = 0
+
+    @property
+    def num_client_rows(self) -> int:
+        """Training rows on the client side (partitioned over the clients): the first rows of ``x_train``."""
+        return len(self.y_train) - self.num_server
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -54,6 +64,7 @@ class TensorData:
         assert self.x_train.dtype in (torch.float32, torch.int64) and self.x_test.dtype == self.x_train.dtype
         assert self.y_train.dtype == torch.int64 and self.y_test.dtype == torch.int64
         assert len(self.x_train) == len(self.y_train) and len(self.x_test) == len(self.y_test)
+        assert 0 <= self.num_server <= len(self.y_train)
         assert (self.groups_train is None) == (self.groups_test is None)
         if self.groups_train is not None and self.groups_test is not None:
             assert self.groups_train.dtype == torch.int64 and self.groups_test.dtype == torch.int64

@@ -1,0 +1,98 @@
+"""Frozen models: a net built from a model config and loaded from a local checkpoint, never trained.
+
+The server of AugFL (Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained
+Models", journal extension of MobiHoc 2021) holds a pretrained model :math:`\\theta_p` that only the server step
+uses (:math:`G^t = \\nabla_\\theta R_h(\\theta^t, \\theta_p)`, Algorithm 1 line 3.2) and that is never sent to a
+client. :func:`load_frozen` gives such a model: built by the same function as the run's global model
+(:func:`flx.models.build.net_from_config`), weights from ``checkpoint``, eval mode, no parameter requiring a gradient.
+Config: ``server.models.<name>`` (:mod:`flx.resources`).
+
+A checkpoint is either a plain ``state_dict`` (``torch.save(net.state_dict(), path)``) or a Lightning checkpoint of a
+flx run (``<run>/checkpoints/*.ckpt``), whose ``state_dict`` holds the global model's tensors as ``net.<name>``. Both
+are read with ``weights_only=True``: a checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flx.errors import bad_value, existing_file
+from flx.models.build import net_from_config
+
+LIGHTNING_PREFIX = "net."
+"""Prefix of the global model's tensors in a flx Lightning checkpoint (``FederatedModule.net``)."""
+
+
+def load_frozen(
+    model_cfg: Mapping[str, Any],
+    checkpoint: str | Path,
+    input_shape: Sequence[int],
+    num_classes: int,
+    key: str = "checkpoint",
+) -> nn.Module:
+    """The net of ``model_cfg`` with the weights of ``checkpoint``, in eval mode, every parameter frozen.
+
+    The net stays in eval mode when a parent module calls ``.train()`` (Lightning does so at fit start): BatchNorm
+    statistics and dropout of a frozen model never change.
+
+    Args:
+        model_cfg: a model config, as ``model=`` (``_target_`` and options; ``binary_head`` is honoured).
+        checkpoint: a file holding a ``state_dict`` or a Lightning checkpoint with ``net.``-prefixed weights.
+        input_shape: per-sample input shape of the task.
+        num_classes: classes of the task.
+        key: the config key of ``checkpoint``, named in errors (``server.models.<name>.checkpoint``).
+
+    Raises:
+        ConfigError: (one line naming ``key``) no such file, an unreadable file, or tensors that do not fit the net.
+    """
+    path = str(checkpoint)  # as the config spells it, in errors
+    file = existing_file(key, path)
+    net = net_from_config(model_cfg, input_shape, num_classes)
+    state = read_state_dict(file, key, path)
+    check_fits(net, state, key, path)
+    net.load_state_dict(state)
+    net.requires_grad_(False)
+    net.train = types.MethodType(_eval_only, net)  # this instance only: the class of the net is left alone
+    return net.eval()
+
+
+def _eval_only(self: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(self, False)
+
+
+def read_state_dict(file: Path, key: str, path: Any) -> dict[str, Tensor]:
+    """The tensors of a plain ``state_dict`` file, or the ``net.*`` tensors of a Lightning checkpoint (unprefixed)."""
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types here (pickle, zip, weights-only refusals): one line for all
+        raise bad_value(key, path, f"not a readable checkpoint ({type(e).__name__})") from None
+    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):  # a Lightning checkpoint
+        n = len(LIGHTNING_PREFIX)
+        obj = {k[n:]: v for k, v in obj["state_dict"].items() if isinstance(k, str) and k.startswith(LIGHTNING_PREFIX)}
+        if not obj:
+            raise bad_value(key, path, f"a Lightning checkpoint without '{LIGHTNING_PREFIX}*' tensors (no flx model)")
+    if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
+        why = "must hold a state_dict (tensor names -> tensors) or a Lightning checkpoint with a 'state_dict'"
+        raise bad_value(key, path, why)
+    return dict(obj)
+
+
+def check_fits(net: nn.Module, state: Mapping[str, Tensor], key: str, path: Any) -> None:
+    """Raises a one-line error naming the first tensor of ``net`` (in its order) that ``state`` lacks or shapes
+    differently, or else the first tensor of ``state`` that ``net`` does not have."""
+    expected = net.state_dict()
+    for name, tensor in expected.items():
+        if name not in state:
+            raise bad_value(key, path, f"has no tensor {name!r} (the model has {len(expected)} tensors)")
+        if state[name].shape != tensor.shape:
+            got, want = tuple(state[name].shape), tuple(tensor.shape)
+            raise bad_value(key, path, f"tensor {name!r} has shape {got} in the checkpoint, {want} in the model")
+    extra = [name for name in state if name not in expected]
+    if extra:
+        raise bad_value(key, path, f"tensor {extra[0]!r} is not in the model ({len(extra)} unexpected tensors)")
