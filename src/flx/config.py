@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value, not_binary
 from flx.models.head_spec import num_outputs
-from flx.resources import SERVER_MODELS, check_server
+from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")

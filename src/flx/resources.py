@@ -16,7 +16,7 @@ Both stay on the server. Here, from the config:
 - ``server.models.<name>: {model: <a model config>, checkpoint: <path>}`` -> ``models[name]``: a frozen net
   (:func:`flx.models.frozen.load_frozen`: eval mode, no gradients).
 
-Only ``omegaconf`` at import time: :func:`check_server` runs in the pre-run check (:func:`flx.config.validate`).
+The config checks are in :mod:`flx.resource_spec` (torch-free, run by the pre-run check).
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from flx.errors import bad_value, existing_file
+from flx.resource_spec import SERVER_MODELS, check_server, server_models
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
-
-SERVER_MODELS = "server.models."
-"""Prefix of the frozen models' config keys (read by :func:`build_server_resources`, added with ``+``)."""
-ENTRY = "must be {model: <a model config, e.g. ${model}>, checkpoint: <a file>}"
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare tensors elementwise
@@ -52,28 +48,6 @@ class ServerResources:
     models: dict[str, nn.Module]
 
 
-def _entries(cfg: DictConfig) -> dict[str, Any]:
-    """The ``server.models`` entries that are set (``null`` switches one off)."""
-    models = OmegaConf.select(cfg, "server.models")
-    if models is None:
-        return {}
-    if not OmegaConf.is_dict(models):
-        raise bad_value("server.models", models, "must map names to {model: <a model config>, checkpoint: <a file>}")
-    return {str(name): entry for name, entry in models.items() if entry is not None}
-
-
-def check_server(cfg: DictConfig) -> None:
-    """Every ``server.models.<name>`` has a model config and an existing checkpoint file; else one line."""
-    for name, entry in _entries(cfg).items():
-        key = f"server.models.{name}"
-        if not OmegaConf.is_dict(entry) or set(entry.keys()) != {"model", "checkpoint"}:
-            shown = OmegaConf.to_container(entry) if OmegaConf.is_config(entry) else entry
-            raise bad_value(key, shown, ENTRY)
-        if not OmegaConf.is_dict(entry.model) or "_target_" not in entry.model:
-            raise bad_value(f"{key}.model", entry.model, "must be a model config with a _target_ (e.g. ${model})")
-        existing_file(f"{key}.checkpoint", entry.checkpoint)
-
-
 def build_server_resources(cfg: DictConfig, dm: Any) -> ServerResources:
     """The server split of the set-up datamodule ``dm`` and the frozen models of ``server.models``.
 
@@ -87,6 +61,6 @@ def build_server_resources(cfg: DictConfig, dm: Any) -> ServerResources:
     shape, classes = dm.data.input_shape, dm.data.num_classes
     models = {
         name: load_frozen(entry.model, entry.checkpoint, shape, classes, key=f"{SERVER_MODELS}{name}.checkpoint")
-        for name, entry in _entries(cfg).items()
+        for name, entry in server_models(cfg).items()
     }
     return ServerResources(dm.server_rows, models)
