@@ -34,6 +34,7 @@ from flx.models.module import FederatedModule
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
+from flx.tasks import Classification, Task
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
 # the pytree notice is Lightning's own deprecation, not the user's
@@ -107,15 +108,28 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     return loop.install(trainer)
 
 
-def build_net(model: DictConfig, input_shape: Sequence[int], num_classes: int) -> torch.nn.Module:
+def build_net(
+    model: DictConfig, input_shape: Sequence[int], num_classes: int, outputs: int | None = None
+) -> torch.nn.Module:
     """The net of ``model=`` config. ``model.binary_head`` and ``model.init`` are flx's keys, not arguments of the
     net's constructor: one_logit builds the net with one output column (:mod:`flx.models.heads`); init sets the
-    starting weights (:mod:`flx.models.init`)."""
+    starting weights (:mod:`flx.models.init`). ``outputs``: the task's output columns (default: per class)."""
     net_cfg = {k: v for k, v in model.items() if k not in ("binary_head", "init")}
-    outputs = heads.num_outputs(model.get("binary_head", "two_logits"), num_classes)
+    if outputs is None:
+        outputs = heads.num_outputs(model.get("binary_head", "two_logits"), num_classes)
     net = instantiate(net_cfg, input_shape=list(input_shape), num_classes=outputs)
     init_weights(net, model.get("init", "default"))
     return net
+
+
+def build_task(cfg: DictConfig, data: Any) -> Task:
+    """The ``task=`` config instantiated (:mod:`flx.tasks`; no task node: classification), checked against the loaded
+    data (class labels or real-valued targets)."""
+    task = Classification() if cfg.get("task") is None else instantiate(cfg.task)
+    if not isinstance(task, Task):
+        raise bad_value("task._target_", cfg.task.get("_target_"), "must name a flx.tasks.Task class")
+    task.check_data(data)
+    return task
 
 
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
@@ -133,10 +147,12 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         eval_test=bool(cfg.get("eval_test", False)),
     )
     dm.setup("fit")
-    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
+    task = build_task(cfg, dm.data)
+    outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
+    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes, outputs)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
-    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg))
+    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg), task=task)
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:
         if isinstance(part, FederatedCallback):
@@ -204,6 +220,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     if trainer.is_global_zero and "test/acc" in metrics:
         print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
+    elif trainer.is_global_zero and "test/mse" in metrics:  # regression
+        print(f"final test_mse={metrics['test/mse']:.4f}", flush=True)
     # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
     # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
     # exception", status -6)

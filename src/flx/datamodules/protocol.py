@@ -4,11 +4,12 @@ Order of operations (``FederatedDataModule.setup``):
 
 1. the loader reads the dataset, raw-scaled (pixels / 255, digits / 16, tables as they are);
 2. :func:`carve` picks the rows: ``data.split_file`` (exact indices), or else a stratified
-   ``data.val_fraction`` of the TRAINING rows moved to the validation split, drawn with ``data.split_seed``;
+   ``data.val_fraction`` of the TRAINING rows moved to the validation split, drawn with ``data.split_seed``
+   (real-valued targets, regression: a plain random share, there are no classes to stratify by);
 3. loaders that change training rows (:func:`flx.datamodules.binary.binarize`: the imbalance subsample and the
    label flips) do so only now, on the training rows, so the validation rows are never subsampled or flipped;
 4. :func:`standardized` z-scores every split with the mean/std of the final training rows
-   (``data.standardize``);
+   (``data.standardize``), and real-valued targets likewise with the training targets' (``data.standardize_target``);
 5. the partitioner splits the training rows over the clients (``partition.seed``).
 
 Row ids ("pool" ids) number the loader's training rows ``0..N-1`` and then its test rows ``N..N+M-1``.
@@ -46,12 +47,15 @@ class DataProtocol:
             imbalance subsample and the label flips): fixed, so the data do not change with the run's ``seed``.
         split_file: a JSON file with exact ``train`` / ``val`` / ``test`` pool ids; overrides ``val_fraction``.
         standardize: z-score inputs with the training rows' statistics (``False``: the raw scaling).
+        standardize_target: z-score real-valued targets (regression) with the training targets' mean and std, so
+            that an MSE of 1 is that of predicting the training mean; ignored for class labels.
     """
 
     val_fraction: float = 0.0
     split_seed: int = 0
     split_file: str | None = None
     standardize: bool = True
+    standardize_target: bool = False
 
     def __post_init__(self) -> None:
         f = self.val_fraction
@@ -60,8 +64,9 @@ class DataProtocol:
         s = self.split_seed
         if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
             raise bad_value("data.split_seed", s, "must be an integer >= 0")
-        if not isinstance(self.standardize, bool):
-            raise bad_value("data.standardize", self.standardize, "must be true or false")
+        for key in ("standardize", "standardize_target"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad_value(f"data.{key}", getattr(self, key), "must be true or false")
         if self.split_file is not None and not isinstance(self.split_file, str):
             raise bad_value("data.split_file", self.split_file, "must be a path or null")
 
@@ -72,19 +77,28 @@ def stratified_holdout(labels: np.ndarray, fraction: float, rng: np.random.Gener
     return np.sort(np.concatenate(out or [np.empty(0, np.int64)])).astype(np.int64)
 
 
+def random_holdout(n: int, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Sorted positions of ``floor(fraction * n + 1/2)`` random rows of ``n`` (real-valued targets: no classes)."""
+    return np.sort(rng.permutation(n)[: math.floor(fraction * n + 0.5)]).astype(np.int64)
+
+
 def _counts(labels: np.ndarray) -> list[tuple[int, int]]:
     values, counts = np.unique(labels, return_counts=True)
     return list(zip(values.tolist(), counts.tolist()))
 
 
 def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
-    """Picks the train / val / test rows (``protocol.split_file``, else a stratified validation carve)."""
+    """Picks the train / val / test rows (``protocol.split_file``, else a validation carve: stratified by class,
+    plain random for real-valued targets)."""
     n, m = len(data.y_train), len(data.y_test)
     if protocol.split_file is not None:
         rows = read_split_file(protocol.split_file, n, m)
     else:
         rng = np.random.default_rng(protocol.split_seed)
-        val = stratified_holdout(data.y_train.numpy(), protocol.val_fraction, rng)
+        if data.real_targets:
+            val = random_holdout(n, protocol.val_fraction, rng)
+        else:
+            val = stratified_holdout(data.y_train.numpy(), protocol.val_fraction, rng)
         rows = {"train": np.setdiff1d(np.arange(n), val), "val": val, "test": np.arange(n, n + m)}
     if not len(rows["test"]) and protocol.split_file is None:  # data.test_fraction=null and no file
         raise bad_value(
@@ -159,6 +173,21 @@ def standardized(data: TensorData) -> TensorData:
     return replace(data, x_train=z(data.x_train), x_val=z(data.x_val), x_test=z(data.x_test))
 
 
+def standardized_target(data: TensorData) -> TensorData:
+    """Real-valued targets of every split z-scored with the training targets' mean and (population) std, per target
+    column (a zero std counts as 1); class labels are left as they are."""
+    if not data.real_targets:
+        return data
+    y = data.y_train.double()
+    mean, std = y.mean(0), y.std(0, unbiased=False)
+    std = torch.where(std == 0, torch.ones_like(std), std)
+
+    def z(t: Tensor | None) -> Tensor | None:
+        return None if t is None else ((t.double() - mean) / std).float()
+
+    return replace(data, y_train=z(data.y_train), y_val=z(data.y_val), y_test=z(data.y_test))
+
+
 def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol) -> TensorData:
     """Runs the protocol: load raw, carve, (the loader's own training-row changes), standardise.
 
@@ -173,6 +202,7 @@ def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol
         data = dataset(protocol=protocol)
     else:
         data = carve(dataset(standardize=False) if "standardize" in params else dataset(), protocol)
+    data = standardized_target(data) if protocol.standardize_target else data
     return standardized(data) if protocol.standardize else data
 
 
