@@ -15,10 +15,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flx.errors import ConfigError, bad_value, not_binary
-from flx.models.head_spec import num_outputs
+from flx.errors import ConfigError, bad_value
 from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
+from flx.task_spec import check_task
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
@@ -153,6 +153,7 @@ def data_protocol(cfg: DictConfig) -> Any:
 
     d = cfg.data
     defaults = {"val_fraction": 0.0, "split_seed": 0, "split_file": None, "standardize": True, "server_fraction": 0.0}
+    defaults["standardize_target"] = False
     return DataProtocol(**{k: d.get(k, v) for k, v in defaults.items()})
 
 
@@ -277,16 +278,6 @@ def _check_ckpt(cfg: DictConfig) -> None:
     check_ckpt(cfg, str(path))
 
 
-def _check_task(cfg: DictConfig) -> None:
-    """An algorithm for binary tasks (``algo.binary_task``) on data whose config says it has other than 2 classes
-    (``data.num_classes``): reported here, before any import or loading; the parts check the loaded labels again."""
-    classes = cfg.data.get("num_classes")
-    if cfg.algo.get("binary_task") and classes is not None and classes != 2:
-        raise not_binary(f"algo={cfg.algo.name}", int(classes))
-    head = cfg.model.get("binary_head", "two_logits")
-    num_outputs(head, 2 if classes is None else int(classes))  # a bad head; one_logit on a multi-class task
-
-
 def check_checkpoint(
     every_rounds: Any, every_seconds: Any, keep_last: Any, mode: Any, requeue: Any, requeue_signal: Any
 ) -> None:
@@ -383,7 +374,7 @@ def validate(cfg: DictConfig) -> None:
     _check_algo(cfg)
     _check_trainer(cfg)
     _check_run(cfg)
-    _check_task(cfg)
+    check_task(cfg)  # the task against the data, partition and algorithm (flx.task_spec)
     _check_ckpt(cfg)
     check_server(cfg)
 
@@ -396,7 +387,7 @@ def _check_data(cfg: DictConfig) -> None:
     for key in ("data.split_seed", "partition.seed"):
         if OmegaConf.select(cfg, key) is not None:
             _int(cfg, key, 0)
-    for key in ("data.standardize", "eval_test"):
+    for key in ("data.standardize", "data.standardize_target", "eval_test"):
         if not isinstance(OmegaConf.select(cfg, key, default=False), bool):
             raise bad_value(key, OmegaConf.select(cfg, key), "must be true or false")
     split_file = cfg.data.get("split_file")

@@ -17,8 +17,9 @@ from flx.errors import bad_value
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed under ``cfg``: the model, the algorithm and its parts, the
-    server optimizer, the data and its partition, and the seed. Hyper-parameters that may change on resume (rounds,
-    learning rates, evaluation) and where files live are not part of it. Plain types only (weights-only loadable)."""
+    server optimizer, the data and its partition, the seed, and the task unless it is the default classification.
+    Hyper-parameters that may change on resume (rounds, learning rates, evaluation) and where files live are not part
+    of it. Plain types only (weights-only loadable)."""
 
     def plain(key: str) -> Any:
         value = OmegaConf.select(cfg, key)
@@ -29,6 +30,8 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     if not data.get("server_fraction"):  # no server split: as checkpoints written before the key existed
         data.pop("server_fraction", None)
     parts = plain("algo.parts") or {}
+    task = plain("task")  # the loss: only when not the default, so that checkpoints written before tasks still match
+    task = {} if task is None or task.get("_target_") == "flx.tasks.Classification" else {"task": task}
     return {
         "model": plain("model"),
         "algo.name": plain("algo.name"),
@@ -38,6 +41,7 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
         "data": data,
         "partition": plain("partition"),
         "seed": plain("seed"),
+        **task,
     }
 
 

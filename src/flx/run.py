@@ -31,6 +31,7 @@ from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
+from flx.tasks import Classification, Task
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
 # the pytree notice is Lightning's own deprecation, not the user's
@@ -88,6 +89,16 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     return loop.install(trainer)
 
 
+def build_task(cfg: DictConfig, data: Any) -> Task:
+    """The ``task=`` config instantiated (:mod:`flx.tasks`; no task node: classification), checked against the loaded
+    data (class labels or real-valued targets)."""
+    task = Classification() if cfg.get("task") is None else instantiate(cfg.task)
+    if not isinstance(task, Task):
+        raise bad_value("task._target_", cfg.task.get("_target_"), "must name a flx.tasks.Task class")
+    task.check_data(data)
+    return task
+
+
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
     if cfg.get("num_threads"):
@@ -104,10 +115,12 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     )
     dm.setup("fit")
     dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only
-    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes)
+    task = build_task(cfg, dm.data)
+    outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
+    net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes, outputs)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed = Federation(federation_config(cfg), store)
-    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg))
+    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg), task=task)
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:
         if isinstance(part, FederatedCallback):
@@ -178,6 +191,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     if trainer.is_global_zero and "test/acc" in metrics:
         print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
+    elif trainer.is_global_zero and "test/mse" in metrics:  # regression
+        print(f"final test_mse={metrics['test/mse']:.4f}", flush=True)
     # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
     # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
     # exception", status -6)

@@ -20,6 +20,7 @@ from flx.datamodules.datasets import (
     breast_cancer,
     cifar10,
     cifar100,
+    diabetes,
     digits,
     emnist,
     fashion_mnist,
@@ -210,6 +211,19 @@ def test_breast_cancer_per_feature_standardised() -> None:
 def test_bundled_bad_test_size(test_size: float) -> None:
     raises_one_line(digits, test_size=test_size, match="data.loader.test_size=")
     raises_one_line(breast_cancer, test_size=test_size, match="data.loader.test_size=")
+
+
+def test_diabetes_is_a_regression_table() -> None:
+    """442 rows, 10 features, float32 targets as given (25..346), a random 20% test split: no classes."""
+    data = diabetes()
+    assert data.name == "diabetes" and data.input_shape == (10,) and data.num_classes == 0 and data.real_targets
+    assert (len(data.x_train), len(data.x_test)) == (353, 89)
+    assert data.y_train.dtype == data.y_test.dtype == torch.float32
+    y = torch.cat([data.y_train, data.y_test])
+    assert (float(y.min()), float(y.max())) == (25.0, 346.0)
+    assert_standardised(data.x_train)
+    assert torch.equal(diabetes(seed=3).y_test, diabetes(seed=3).y_test)
+    raises_one_line(diabetes, test_size=1.5, match="data.loader.test_size=")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from helpers import raises_one_line
 from flx.datamodules import files
 from flx.datamodules.datasets import LOADERS
 
-BUNDLED = {"digits", "breast_cancer"}  # inside scikit-learn: no files to find
+BUNDLED = {"digits", "breast_cancer", "diabetes"}  # inside scikit-learn: no files to find
 
 
 def test_every_loader_with_files_has_a_locator() -> None:

@@ -21,7 +21,7 @@ from helpers import raises_one_line
 
 from flx.datamodules.binary import binarize
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.datamodules.datasets import digits
+from flx.datamodules.datasets import diabetes, digits
 from flx.datamodules.partitioners import IID, Dirichlet, FromFile
 from flx.datamodules.protocol import DataProtocol, load, save_split
 
@@ -302,3 +302,33 @@ def test_val_metrics_are_on_the_validation_rows_and_test_metrics_on_the_test_spl
             torch.testing.assert_close(got[f"{split}/loss"], F.cross_entropy(logits, y), rtol=0, atol=1e-5)
             auc = roc_auc_score(y.numpy(), (logits[:, 1] - logits[:, 0]).numpy())
             assert float(got[f"{split}/auroc"]) == pytest.approx(auc, abs=1e-6)
+
+
+def test_real_targets_carve_a_random_share_and_standardise_the_target() -> None:
+    """Real-valued targets have no classes to stratify by: floor(f n + 1/2) random training rows are held out; with
+    standardize_target every split's targets are (y - mean) / std with the final training rows' mean and population
+    std; without, the targets as given."""
+    raw = diabetes(standardize=False)
+    pool = torch.cat([raw.y_train, raw.y_test]).double()
+    data = load(diabetes, DataProtocol(val_fraction=0.1, split_seed=3, standardize_target=True))
+    assert data.num_val == math.floor(0.1 * 353 + 0.5) and len(data.y_train) == 353 - data.num_val
+    ids = {k: torch.as_tensor(v) for k, v in data.rows.items()}
+    mean, std = pool[ids["train"]].mean(), pool[ids["train"]].std(unbiased=False)
+    for split, y in (("train", data.y_train), ("val", data.y_val), ("test", data.y_test)):
+        torch.testing.assert_close(y.double(), (pool[ids[split]] - mean) / std, rtol=0, atol=1e-6)
+    plain = load(diabetes, DataProtocol(val_fraction=0.1, split_seed=3))
+    assert torch.equal(plain.y_val, pool[ids["val"]].float())
+
+
+def test_real_targets_partition_without_labels_and_cast_to_the_net_dtype() -> None:
+    """iid and quantity_skew split real-valued targets (as for any labels of that length); a partition by class label
+    and per-label client evaluation stop with one line; the store casts the targets to the net's dtype once."""
+    dm = _dm(dataset=diabetes, partitioner=IID(num_clients=5, seed=1), standardize_target=True)
+    expected = IID(num_clients=5, seed=1)(np.zeros(len(dm.data.y_train), dtype=np.int64), 0).train
+    assert all(np.array_equal(a.numpy(), b) for a, b in zip(dm.client_train, expected))
+    assert dm.has_client_rows("val") is False  # no labels to share: no per-client validation rows
+    assert dm.clients.to(torch.device("cpu"), torch.float64).y.dtype == torch.float64
+    raises_one_line(_dm, dataset=diabetes, match="partition='dirichlet': splits by class label and data=diabetes")
+    bad = FederatedDataModule(diabetes, IID(num_clients=4), client_eval="test_labels")
+    raises_one_line(bad.setup, "fit", match="client_eval='test_labels': needs class labels")
+    assert _dm(partitioner=IID(num_clients=4)).clients.to(torch.device("cpu"), torch.float64).y.dtype == torch.int64

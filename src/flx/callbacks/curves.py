@@ -34,6 +34,8 @@ TRACKED = (
     "test/auroc",
     "test/pauc_0.3",
     "test/pauc_0.5",
+    # regression (task=regression): the errors, plotted with the losses
+    *(f"{split}/{key}" for split in ("val", "test") for key in ("mse", "rmse", "client_mse_mean", "client_mse_worst")),
 )
 EVAL_ONLY = (
     "val/",
@@ -98,7 +100,7 @@ class RoundCurves(pl.Callback):
 
         fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
         for key, points in self.history.items():
-            ax = ax_loss if "loss" in key else ax_acc
+            ax = ax_loss if "loss" in key or "mse" in key else ax_acc
             ax.plot(*zip(*points), marker="o", markersize=2.5, label=key)
         for ax, title in ((ax_loss, "loss"), (ax_acc, "global model: accuracy / AUC")):
             ax.set_xlabel("round")

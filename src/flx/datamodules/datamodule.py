@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor
 
 from flx.config import CLIENT_EVAL
 from flx.datamodules.partition_file import save_partition
+from flx.datamodules.partitioners import needs_labels
 from flx.datamodules.protocol import DataProtocol, load, save_split
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
@@ -54,9 +56,11 @@ class ClientStore:
         self.x, self.y, self.client_indices = x, y, client_indices
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ClientStore:
-        """Moves the store to ``device``; float inputs are cast to ``dtype``, integer token ids stay int64."""
+        """Moves the store to ``device``; float inputs and real-valued targets are cast to ``dtype`` (once, not per
+        step), integer token ids and class labels stay int64."""
         x_dtype = dtype if self.x.is_floating_point() else None
-        self.x, self.y = self.x.to(device=device, dtype=x_dtype), self.y.to(device)
+        y_dtype = dtype if self.y.is_floating_point() else None
+        self.x, self.y = self.x.to(device=device, dtype=x_dtype), self.y.to(device=device, dtype=y_dtype)
         return self
 
 
@@ -104,7 +108,7 @@ class FederatedDataModule(pl.LightningDataModule):
         self.data = load(self.dataset, self.protocol)
         n = self._client_pool_size()
         groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train[:n].numpy()}
-        self.split = self.partitioner(self.data.y_train[:n].numpy(), self.seed, **groups)
+        self.split = self.partitioner(self._partition_labels()[:n], self.seed, **groups)
         self.server_rows = torch.arange(n, len(self.data.y_train))
         self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in self.split.train]
         self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in self.split.test]
@@ -124,6 +128,15 @@ class FederatedDataModule(pl.LightningDataModule):
             raise bad_value("data.server_fraction", p.server_fraction, f"{why}; lower it")
         return n
 
+    def _partition_labels(self) -> np.ndarray:
+        """The training labels the partitioner splits by. Real-valued targets have none: zeros stand in for them for a
+        scheme that ignores labels (``uses_labels`` false: iid, quantity_skew, ...); any other stops with one line."""
+        if not self.data.real_targets:
+            return self.data.y_train.numpy()
+        if getattr(self.partitioner, "uses_labels", True):
+            raise needs_labels(getattr(self.partitioner, "name", type(self.partitioner).__name__), self.data.name)
+        return np.zeros(len(self.data.y_train), dtype=np.int64)
+
     def save(self, folder: str) -> None:
         """Writes ``data_split.json`` (pool ids of train / val / test / server, before any imbalance subsample: the
         ``data.split_file`` format) and ``partition.json`` (each client's rows: the ``partition=from_file`` format)."""
@@ -140,8 +153,16 @@ class FederatedDataModule(pl.LightningDataModule):
         return self.client_test if self.client_eval == "holdout" else self._global_rows(y, groups)
 
     def _global_rows(self, y: Tensor, groups: Tensor | None) -> list[Tensor]:
-        """Per client, the rows of a global split (``y``, ``groups``) that share its labels (or its one group)."""
+        """Per client, the rows of a global split (``y``, ``groups``) that share its labels (or its one group).
+
+        Real-valued targets (regression) have no labels to share: no per-client rows (``holdout`` on the validation
+        split), and ``client_eval=test_labels`` stops with one line."""
         d = self.data
+        if self.client_eval == "test_labels" and d.real_targets:
+            why = "needs class labels; with real-valued targets use holdout (and partition.test_fraction > 0)"
+            raise bad_value("client_eval", self.client_eval, why)
+        if self.client_eval != "test_group" and d.real_targets:
+            return []
         if self.client_eval != "test_group":
             return [torch.isin(y, d.y_train[rows].unique()).nonzero().flatten() for rows in self.client_train]
         if d.groups_train is None or groups is None:

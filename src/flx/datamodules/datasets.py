@@ -16,7 +16,8 @@ Formats read here:
 The format readers and shared helpers live in :mod:`flx.datamodules.formats`.
 
 Images become float32 ``(N, C, H, W)`` tensors, scaled to ``[0, 1]`` and standardised per channel with
-the mean and standard deviation of the train split; labels become int64 ``(N,)`` tensors. Every loader takes
+the mean and standard deviation of the train split; labels become int64 ``(N,)`` tensors (real-valued
+targets, ``diabetes``: float32). Every loader takes
 ``standardize`` (default true); ``False`` keeps the raw scaling (pixels / 255, digits / 16, tables as they are),
 which is how :class:`~flx.datamodules.datamodule.FederatedDataModule` calls them: it standardises itself, after
 carving the validation split (:mod:`flx.datamodules.protocol`).
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from sklearn.datasets import load_breast_cancer, load_digits
+from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits
 from sklearn.model_selection import train_test_split
 
 from flx.datamodules import files
@@ -54,6 +55,7 @@ __all__ = [
     "breast_cancer",
     "cifar10",
     "cifar100",
+    "diabetes",
     "digits",
     "emnist",
     "fashion_mnist",
@@ -78,11 +80,11 @@ def _tabular_data(
     scale: float,
     standardize: bool = True,
 ) -> TensorData:
-    """Splits a bundled dataset (stratified) and scales it.
+    """Splits a bundled dataset (stratified by class; at random for real-valued targets) and scales it.
 
     Args:
         x: inputs.
-        y: labels ``0..K-1``.
+        y: labels ``0..K-1`` (integers), or real-valued targets (floats: regression, ``num_classes`` 0).
         axis: axes reduced for the standardisation statistics.
         test_size: fraction of samples in the test split; ``None`` keeps every sample, in the dataset's order, in the
             training split and leaves the test split empty (for ``data.split_file``, which then lists the test rows).
@@ -92,26 +94,29 @@ def _tabular_data(
         standardize: z-score with the train split's mean/std (zero std -> 1); ``False`` keeps ``x / scale``.
 
     Returns:
-        The dataset, inputs as float32 and labels as int64 tensors.
+        The dataset, inputs as float32 and labels as int64 tensors (real-valued targets as float32).
 
     Raises:
         ConfigError: if ``test_size`` is not a fraction strictly between 0 and 1 (or ``None``).
     """
-    x = x / scale
+    x, real = x / scale, np.issubdtype(y.dtype, np.floating)
     if test_size is None:
         x_train, x_test, y_train, y_test = x, x[:0], y, y[:0]
     else:
         _check_fraction("data.loader.test_size", test_size)
-        x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
+        strata = None if real else y
+        x_train, x_test, y_train, y_test = train_test_split(
+            x, y, test_size=test_size, stratify=strata, random_state=seed
+        )
     mean = x_train.mean(axis=axis, keepdims=True, dtype=np.float64) if standardize else 0.0
     std = x_train.std(axis=axis, keepdims=True, dtype=np.float64) if standardize else np.ones(1)
     std[std == 0] = 1.0
     return TensorData(
         x_train=torch.from_numpy(((x_train - mean) / std).astype(np.float32)),
-        y_train=torch.as_tensor(y_train, dtype=torch.int64),
+        y_train=torch.as_tensor(y_train, dtype=torch.float32 if real else torch.int64),
         x_test=torch.from_numpy(((x_test - mean) / std).astype(np.float32)),
-        y_test=torch.as_tensor(y_test, dtype=torch.int64),
-        num_classes=int(y.max()) + 1,
+        y_test=torch.as_tensor(y_test, dtype=torch.float32 if real else torch.int64),
+        num_classes=0 if real else int(y.max()) + 1,
         name=name,
     )
 
@@ -144,6 +149,26 @@ def breast_cancer(test_size: float | None = 0.2, seed: int = 0, standardize: boo
     """
     bunch = load_breast_cancer()
     return _tabular_data(bunch.data, bunch.target, (0,), test_size, seed, "breast_cancer", 1.0, standardize)
+
+
+def diabetes(test_size: float | None = 0.2, seed: int = 0, standardize: bool = True) -> TensorData:
+    """scikit-learn's bundled diabetes table (442 patients, 10 features): a regression task.
+
+    The target is a measure of disease progression one year after baseline, a real number in ``[25, 346]`` (mean 152,
+    std 77), returned as given; ``data.standardize_target`` z-scores it with the training rows' statistics
+    (:mod:`flx.datamodules.protocol`). The inputs are scikit-learn's raw measurements (``scaled=False``: age, sex,
+    BMI, blood pressure and six blood serum values), not its own pre-scaled copy.
+
+    Args:
+        test_size: fraction of samples in the (random) test split (``None``: no split, see :func:`_tabular_data`).
+        seed: random state of the split.
+        standardize: z-score per feature with the train split's mean/std; ``False`` keeps the raw measurements.
+
+    Returns:
+        Inputs ``(N, 10)``, float32 targets ``(N,)``, ``num_classes`` 0.
+    """
+    bunch = load_diabetes(scaled=False)
+    return _tabular_data(bunch.data, bunch.target, (0,), test_size, seed, "diabetes", 1.0, standardize)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -371,6 +396,7 @@ def medmnist(
 LOADERS: dict[str, Callable[..., TensorData]] = {
     "digits": digits,
     "breast_cancer": breast_cancer,
+    "diabetes": diabetes,
     "mnist": mnist,
     "fashion_mnist": fashion_mnist,
     "emnist": emnist,

@@ -10,7 +10,10 @@ built by Hydra, e.g. ``{_target_: flx.datamodules.partitioners.Dirichlet, num_cl
 then called as ``split = partitioner(labels, seed)`` or ``partitioner(labels, seed, groups=groups)``; only
 :class:`ByGroup` uses the groups, the others ignore them. Bad values raise :class:`flx.errors.ConfigError`.
 
-"Classes" always means the distinct label values present in ``labels`` (they need not be ``0..C-1``).
+"Classes" always means the distinct label values present in ``labels`` (they need not be ``0..C-1``). Real-valued
+targets (regression, ``data=diabetes``) have no classes: only the schemes that ignore the labels (``uses_labels =
+False``: iid, quantity_skew, by_group, from_file) can split them, called with placeholder labels by the datamodule;
+the others stop with one line (:func:`needs_labels`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from flx.datamodules.partition_ops import (
     real,
     split_among_holders,
 )
-from flx.errors import bad_value
+from flx.errors import ConfigError, bad_value
 
 DIRICHLET_MAX_TRIES = 1000
 """How many Dirichlet draws :class:`Dirichlet` makes before giving up on ``min_size``."""
@@ -72,6 +75,8 @@ class Partitioner:
     """
 
     name = "partitioner"
+    uses_labels = True
+    """Whether :meth:`assign` splits by the class labels (False: it only needs their number, or the groups)."""
 
     def __init__(self, num_clients: int, test_fraction: float = 0.0, min_size: int = 1, seed: int | None = None):
         self.num_clients = num_clients
@@ -180,6 +185,7 @@ class IID(Partitioner):
     """Uniformly random split into clients whose sizes differ by at most one."""
 
     name = "iid"
+    uses_labels = False
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Deals a random permutation out in ``num_clients`` near-equal chunks."""
@@ -351,6 +357,7 @@ class QuantitySkew(_AlphaPartitioner):
     """
 
     name = "quantity_skew"
+    uses_labels = False
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
         """Gives each client ``min_size`` samples plus a Dirichlet share of the rest, from a random permutation."""
@@ -377,6 +384,7 @@ class ByGroup(Partitioner):
     """
 
     name = "by_group"
+    uses_labels = False
 
     def keys(self, labels: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
         """Returns the validated groups; a dataset without groups cannot be split by group."""
@@ -423,6 +431,7 @@ class FromFile(Partitioner):
     """
 
     name = "from_file"
+    uses_labels = False
 
     def __init__(
         self,
@@ -466,3 +475,10 @@ PARTITIONERS: dict[str, type[Partitioner]] = {
     "from_file": FromFile,
 }
 """Partitioners by their config name."""
+
+
+def needs_labels(name: str, data: str) -> ConfigError:
+    """The one line for a partition by class label (``uses_labels``) of data with real-valued targets."""
+    free = ", ".join(key for key, cls in PARTITIONERS.items() if not cls.uses_labels)
+    why = f"splits by class label and data={data} has real-valued targets (regression); allowed: {free}"
+    return bad_value("partition", name, why)

@@ -6,12 +6,12 @@ Order of operations (``FederatedDataModule.setup``):
 2. :func:`carve` picks the rows: ``data.split_file`` (exact indices), or else a stratified
    ``data.val_fraction`` of the TRAINING rows moved to the validation split, then a stratified
    ``data.server_fraction`` of the remaining training rows moved to the server split, both drawn with
-   ``data.split_seed``;
+   ``data.split_seed`` (real-valued targets, regression: plain random shares, there are no classes to stratify by);
 3. loaders that change training rows (:func:`flx.datamodules.binary.binarize`: the imbalance subsample and the
    label flips) do so only now, on the client-side training rows, so the validation and server rows are never
    subsampled or flipped;
 4. :func:`standardized` z-scores every split with the mean/std of the final client-side training rows
-   (``data.standardize``);
+   (``data.standardize``), and real-valued targets likewise with the training targets' (``data.standardize_target``);
 5. the partitioner splits the client-side training rows over the clients (``partition.seed``).
 
 Row ids ("pool" ids) number the loader's training rows ``0..N-1`` and then its test rows ``N..N+M-1``.
@@ -55,6 +55,8 @@ class DataProtocol:
         standardize: z-score inputs with the client-side training rows' statistics (``False``: the raw scaling).
         server_fraction: fraction of each class of the training rows left after the validation carve that goes to
             the server split (no client sees it), in ``[0, 1)``; ``0`` = no server split.
+        standardize_target: z-score real-valued targets (regression) with the training targets' mean and std, so
+            that an MSE of 1 is that of predicting the training mean; ignored for class labels.
     """
 
     val_fraction: float = 0.0
@@ -62,6 +64,7 @@ class DataProtocol:
     split_file: str | None = None
     standardize: bool = True
     server_fraction: float = 0.0
+    standardize_target: bool = False
 
     def __post_init__(self) -> None:
         for key, f, what in (("val", self.val_fraction, "validation"), ("server", self.server_fraction, "server")):
@@ -70,8 +73,9 @@ class DataProtocol:
         s = self.split_seed
         if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
             raise bad_value("data.split_seed", s, "must be an integer >= 0")
-        if not isinstance(self.standardize, bool):
-            raise bad_value("data.standardize", self.standardize, "must be true or false")
+        for key in ("standardize", "standardize_target"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad_value(f"data.{key}", getattr(self, key), "must be true or false")
         if self.split_file is not None and not isinstance(self.split_file, str):
             raise bad_value("data.split_file", self.split_file, "must be a path or null")
 
@@ -82,18 +86,24 @@ def stratified_holdout(labels: np.ndarray, fraction: float, rng: np.random.Gener
     return np.sort(np.concatenate(out or [np.empty(0, np.int64)])).astype(np.int64)
 
 
+def random_holdout(n: int, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """Sorted positions of ``floor(fraction * n + 1/2)`` random rows of ``n`` (real-valued targets: no classes)."""
+    return np.sort(rng.permutation(n)[: math.floor(fraction * n + 0.5)]).astype(np.int64)
+
+
 def _counts(labels: np.ndarray) -> list[tuple[int, int]]:
     values, counts = np.unique(labels, return_counts=True)
     return list(zip(values.tolist(), counts.tolist()))
 
 
 def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
-    """Picks the train / val / test / server rows (``protocol.split_file``, else the stratified carves)."""
+    """Picks the train / val / test / server rows (``protocol.split_file``, else the carves: stratified by class,
+    plain random for real-valued targets)."""
     n, m = len(data.y_train), len(data.y_test)
     if protocol.split_file is not None:
         rows = read_split_file(protocol.split_file, n, m)
     else:
-        rows = carved_rows(data.y_train.numpy(), m, protocol)
+        rows = carved_rows(data.y_train.numpy(), m, protocol, real=data.real_targets)
     if not len(rows["test"]) and protocol.split_file is None:  # data.test_fraction=null and no file
         raise bad_value(
             "data.test_fraction", None, "no test split: set a fraction, or list the test rows in data.split_file"
@@ -103,15 +113,20 @@ def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
     return select(data, rows)
 
 
-def carved_rows(y: np.ndarray, num_test: int, protocol: DataProtocol) -> dict[str, np.ndarray]:
-    """Pool ids of the stratified carves: ``val_fraction`` of the training rows ``y`` (labels), then
-    ``server_fraction`` of the rest, drawn in that order from one generator seeded with ``split_seed`` (so the server
-    carve never changes the validation rows); the test split is the loader's test rows."""
+def carved_rows(y: np.ndarray, num_test: int, protocol: DataProtocol, real: bool = False) -> dict[str, np.ndarray]:
+    """Pool ids of the carves: ``val_fraction`` of the training rows ``y``, then ``server_fraction`` of the rest,
+    drawn in that order from one generator seeded with ``split_seed`` (so the server carve never changes the
+    validation rows); stratified by class, or plain random shares for real-valued targets (``real``). The test split
+    is the loader's test rows."""
     n = len(y)
     rng = np.random.default_rng(protocol.split_seed)
-    val = stratified_holdout(y, protocol.val_fraction, rng)
+
+    def holdout(labels: np.ndarray, fraction: float) -> np.ndarray:
+        return random_holdout(len(labels), fraction, rng) if real else stratified_holdout(labels, fraction, rng)
+
+    val = holdout(y, protocol.val_fraction)
     rest = np.setdiff1d(np.arange(n), val)
-    server = rest[stratified_holdout(y[rest], protocol.server_fraction, rng)]
+    server = rest[holdout(y[rest], protocol.server_fraction)]
     train = np.setdiff1d(rest, server)
     if protocol.server_fraction and not len(train):
         why = f"leaves no client-side training rows (of the {len(rest)} left after the validation split); lower it"
@@ -187,6 +202,21 @@ def standardized(data: TensorData) -> TensorData:
     return replace(data, x_train=z(data.x_train), x_val=z(data.x_val), x_test=z(data.x_test))
 
 
+def standardized_target(data: TensorData) -> TensorData:
+    """Real-valued targets of every split z-scored with the training targets' mean and (population) std, per target
+    column (a zero std counts as 1); class labels are left as they are."""
+    if not data.real_targets:
+        return data
+    y = data.y_train.double()
+    mean, std = y.mean(0), y.std(0, unbiased=False)
+    std = torch.where(std == 0, torch.ones_like(std), std)
+
+    def z(t: Tensor | None) -> Tensor | None:
+        return None if t is None else ((t.double() - mean) / std).float()
+
+    return replace(data, y_train=z(data.y_train), y_val=z(data.y_val), y_test=z(data.y_test))
+
+
 def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol) -> TensorData:
     """Runs the protocol: load raw, carve, (the loader's own training-row changes), standardise.
 
@@ -201,6 +231,7 @@ def load(dataset: Callable[..., TensorData] | TensorData, protocol: DataProtocol
         data = dataset(protocol=protocol)
     else:
         data = carve(dataset(standardize=False) if "standardize" in params else dataset(), protocol)
+    data = standardized_target(data) if protocol.standardize_target else data
     return standardized(data) if protocol.standardize else data
 
 

@@ -16,10 +16,11 @@ class TensorData:
     Attributes:
         x_train: inputs, shape ``(N, *input_shape)``: float32 features (images are ``(N, C, H, W)``), standardised,
             or int64 token ids (text, e.g. ``(N, L)`` character ids); never cast to the model's dtype.
-        y_train: int64 labels, shape ``(N,)``.
+        y_train: int64 class labels, shape ``(N,)``, or float32 real-valued targets (regression, e.g.
+            ``data=diabetes``), shape ``(N,)`` or ``(N, K)``: see :attr:`real_targets`.
         x_test: inputs of the global test split, shape ``(M, *input_shape)``, same dtype as ``x_train``.
-        y_test: int64 labels, shape ``(M,)``.
-        num_classes: number of classes.
+        y_test: targets of the global test split, shape ``(M, ...)``, same dtype as ``y_train``.
+        num_classes: number of classes; 0 for real-valued targets.
         name: dataset name, for logs.
         groups_train: optional int64 group id of each training sample, shape ``(N,)`` (a sensitive attribute such
             as Adult's sex or race, or the LEAF user); ``partition=by_group`` splits by it.
@@ -62,7 +63,7 @@ class TensorData:
 
     def __post_init__(self) -> None:
         assert self.x_train.dtype in (torch.float32, torch.int64) and self.x_test.dtype == self.x_train.dtype
-        assert self.y_train.dtype == torch.int64 and self.y_test.dtype == torch.int64
+        assert self.y_train.dtype in (torch.int64, torch.float32) and self.y_test.dtype == self.y_train.dtype
         assert len(self.x_train) == len(self.y_train) and len(self.x_test) == len(self.y_test)
         assert 0 <= self.num_server <= len(self.y_train)
         assert (self.groups_train is None) == (self.groups_test is None)
@@ -70,9 +71,14 @@ class TensorData:
             assert self.groups_train.dtype == torch.int64 and self.groups_test.dtype == torch.int64
             assert self.groups_train.shape == self.y_train.shape and self.groups_test.shape == self.y_test.shape
         if self.x_val is not None and self.y_val is not None:
-            assert self.x_val.dtype == self.x_train.dtype and self.y_val.dtype == torch.int64
+            assert self.x_val.dtype == self.x_train.dtype and self.y_val.dtype == self.y_train.dtype
             assert len(self.x_val) == len(self.y_val)
             assert (self.groups_val is None) == (self.groups_train is None)
+
+    @property
+    def real_targets(self) -> bool:
+        """Whether the targets are real numbers (float32: regression) rather than int64 class labels."""
+        return self.y_train.is_floating_point()
 
     @property
     def num_val(self) -> int:

@@ -1,7 +1,8 @@
-"""Per-client accuracy of the global model and its summary (mean, worst, std over clients).
+"""Per-client accuracy (classification) or mean squared error (regression) of the global model, and their summary
+(mean, worst, std over clients).
 
-A torchmetrics ``Metric``: per-client ``correct``/``total`` counts are declared states reduced by sum,
-so a summary computed on N processes equals the one on 1.
+torchmetrics ``Metric``s: per-client counts and sums are declared states reduced by sum, so a summary computed on N
+processes equals the one on 1.
 """
 
 from __future__ import annotations
@@ -36,7 +37,34 @@ class PerClientAccuracy(Metric):
         return self.correct.float() / self.total.float()
 
 
-def summarize(acc: Tensor) -> dict[str, Tensor]:
-    """Mean, worst (min) and std (population) over the clients that have test samples."""
-    acc = acc[~torch.isnan(acc)]
-    return {"mean": acc.mean(), "worst": acc.min(), "std": acc.std(unbiased=False)}
+class PerClientMSE(Metric):
+    """Mean squared error of each client's test samples (averaged over samples and target columns).
+
+    Args:
+        num_clients: number of clients (size of the sum vectors).
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_clients: int) -> None:
+        super().__init__()
+        self.add_state("sse", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros(num_clients, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, preds: Tensor, target: Tensor, client: Tensor) -> None:
+        """``preds`` and ``target``: ``(B,)`` or ``(B, K)`` real values; ``client``: ``(B,)`` owner ids."""
+        sq = (preds.double() - target.double()).square().reshape(len(client), -1)
+        self.sse.index_add_(0, client, sq.sum(1))
+        self.total.index_add_(0, client, torch.full_like(client, sq.shape[1]))
+
+    def compute(self) -> Tensor:
+        """MSE per client; NaN for a client without test samples."""
+        return self.sse / self.total.double()
+
+
+def summarize(values: Tensor, higher_is_better: bool = True) -> dict[str, Tensor]:
+    """Mean, worst (min, or max when lower is better: errors) and std (population) over the clients that have
+    test samples."""
+    values = values[~torch.isnan(values)]
+    worst = values.min() if higher_is_better else values.max()
+    return {"mean": values.mean(), "worst": worst, "std": values.std(unbiased=False)}

@@ -1,12 +1,14 @@
-"""``FederatedModule``: the LightningModule of a federated classification run.
+"""``FederatedModule``: the LightningModule of a federated run.
 
-It owns the single reused net and the :class:`~flx.federation.Federation`. ``training_step`` receives a
-client id (one "batch" = one client) and trains that client; evaluation of the global model runs in
-Lightning's validation/test loops: ``val/*`` on the validation split (``data.val_fraction`` of the training rows),
-``test/*`` on the test split (also inside the validation loop with ``eval_test``). Metric keys: ``val/acc``,
-``val/loss``, ``val/client_acc_{mean,worst,std}``, binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``,
-``test/*`` likewise, round-level keys under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local
-iterations per client so far, ``cohort``, ``samples``).
+It owns the single reused net, the :class:`~flx.federation.Federation` and the task (:mod:`flx.tasks`: the loss the
+local steps minimise and the evaluation metrics). ``training_step`` receives a client id (one "batch" = one client)
+and trains that client; evaluation of the global model runs in Lightning's validation/test loops: ``val/*`` on the
+validation split (``data.val_fraction`` of the training rows), ``test/*`` on the test split (also inside the
+validation loop with ``eval_test``). Metric keys (the task's): classification ``val/acc``, ``val/loss``,
+``val/client_acc_{mean,worst,std}``, binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``; regression
+``val/loss``, ``val/mse``, ``val/rmse``, ``val/client_mse_{mean,worst,std}``; ``test/*`` likewise, round-level keys
+under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local iterations per client so far,
+``cohort``, ``samples``).
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
 from flx.faults import Diverged
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.loop import IDLE
-from flx.metrics.auc import AUROCs
-from flx.metrics.client_summary import PerClientAccuracy, summarize
-from flx.models import heads
+from flx.metrics.client_summary import summarize
+from flx.tasks import Classification, Task
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -38,16 +37,17 @@ def _all_gather_object(obj: Any) -> list[Any]:
 
 
 class FederatedModule(pl.LightningModule):
-    """Classification task wrapper.
+    """Task wrapper.
 
     Args:
-        net: the model (maps ``(B, *input_shape)`` to logits ``(B, C)``; a binary task may use one logit
-            ``(B, 1)``, see :mod:`flx.models.heads`).
+        net: the model (maps ``(B, *input_shape)`` to the task's outputs: logits ``(B, C)``, a binary task may use
+            one logit ``(B, 1)``, see :mod:`flx.models.heads`; a regression task one column per target).
         federation: the round protocol.
-        num_classes: number of classes ``C``.
+        num_classes: number of classes ``C`` (0 for real-valued targets).
         num_clients: number of clients (for per-client metrics).
         fingerprint: what a checkpoint of this run must agree with to be resumed (:func:`flx.resume.fingerprint`);
             saved in every checkpoint.
+        task: the loss and the metrics (:mod:`flx.tasks`); default :class:`~flx.tasks.Classification`.
     """
 
     def __init__(
@@ -57,22 +57,20 @@ class FederatedModule(pl.LightningModule):
         num_classes: int,
         num_clients: int,
         fingerprint: dict[str, Any] | None = None,
+        task: Task | None = None,
     ) -> None:
         super().__init__()
         self.net, self.federation, self.fingerprint = net, federation, dict(fingerprint or {})
+        self.task = task if task is not None else Classification()
         self.automatic_optimization = False
-        self.acc = nn.ModuleDict({s: MulticlassAccuracy(num_classes, average="micro") for s in ("val", "test")})
-        self.loss_mean = nn.ModuleDict({s: MeanMetric() for s in ("val", "test")})
-        self.client_acc = nn.ModuleDict({s: PerClientAccuracy(num_clients) for s in ("val", "test")})
-        # binary tasks also get AUROC and standardised pAUC (FPR <= 0.3, 0.5) of the margin z (heads.binary_margin)
-        self.auc = nn.ModuleDict({s: AUROCs() for s in ("val", "test")}) if num_classes == 2 else None
+        self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, num_clients) for s in ("val", "test")})
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    @staticmethod
-    def loss_fn(logits: Tensor, target: Tensor) -> Tensor:
-        return heads.classification_loss(logits, target)
+    def loss_fn(self, outputs: Tensor, target: Tensor) -> Tensor:
+        """The task's batch-mean loss: what the local steps minimise."""
+        return self.task.loss(outputs, target)
 
     def configure_optimizers(self) -> None:
         return None  # local optimizers live in the federation, the server optimizer too
@@ -85,7 +83,7 @@ class FederatedModule(pl.LightningModule):
         self.federation.attach(
             self.net,
             dm.clients.to(self.device, dtype),
-            self.loss_fn,
+            self.task.loss,
             parts=parts,
             reduce_sum=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             gather=_all_gather_object,
@@ -131,15 +129,11 @@ class FederatedModule(pl.LightningModule):
         x = batch[0]
         if x.is_floating_point():  # integer token ids stay int64
             x = x.to(next(self.net.parameters()).dtype)
-        logits = self.net(x)
-        pred = heads.predict(logits)
+        outputs = self.net(x)
         if not per_client:
-            self.acc[split].update(pred, batch[1])
-            self.loss_mean[split].update(heads.classification_loss(logits, batch[1]), weight=len(batch[1]))
-            if self.auc is not None:
-                self.auc[split].update(heads.binary_margin(logits), batch[1])
+            self.metrics[split].update(outputs, batch[1])
         else:
-            self.client_acc[split].update(pred, batch[1], batch[2])
+            self.metrics[split].update_clients(outputs, batch[1], batch[2])
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step("val", batch, dataloader_idx)
@@ -156,25 +150,21 @@ class FederatedModule(pl.LightningModule):
 
     def _check_finite(self, split: str) -> None:
         """A non-finite loss of the global model during fit: the run stops as diverged (never ends with it)."""
-        if not torch.isfinite(self.loss_mean[split].compute()):
+        if not torch.isfinite(self.metrics[split].loss.compute()):
             raise Diverged(
                 f"diverged in round {self.federation.server.round}: the global model's {split} loss is not finite; "
                 f"lower algo.lr (now {self.federation.cfg.lr:g})"
             )
 
     def _log_split(self, split: str, per_client_rows: bool) -> None:
-        self.log(f"{split}/acc", self.acc[split], add_dataloader_idx=False)
-        self.log(f"{split}/loss", self.loss_mean[split], add_dataloader_idx=False)
-        if self.auc is not None:
-            for key, value in self.auc[split].compute().items():
-                self.log(f"{split}/{key}", value.float(), add_dataloader_idx=False)
-            self.auc[split].reset()
-        if per_client_rows:
-            per_client = self.client_acc[split].compute()
-            self.client_acc[split].reset()
-            for k, v in summarize(per_client).items():
-                self.log(f"{split}/client_acc_{k}", v, add_dataloader_idx=False)
-            self._log_client_table(split, per_client)
+        metrics = self.metrics[split]
+        for key, value in metrics.values().items():
+            self.log(f"{split}/{key}", value, add_dataloader_idx=False)
+        if per_client_rows and metrics.client_key is not None:
+            per_client, key = metrics.client_values(), metrics.client_key
+            for k, v in summarize(per_client, metrics.higher_is_better).items():
+                self.log(f"{split}/client_{key}_{k}", v, add_dataloader_idx=False)
+            self._log_client_table(split, per_client, key)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
@@ -182,7 +172,7 @@ class FederatedModule(pl.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
-    def _log_client_table(self, split: str, per_client: Tensor) -> None:
+    def _log_client_table(self, split: str, per_client: Tensor, key: str = "acc") -> None:
         """W&B: the per-client table and a bar chart of it (clients without test samples are left out)."""
         loggers = [lg for lg in self.loggers if isinstance(lg, WandbLogger)] if self.trainer.is_global_zero else []
         if not loggers:
@@ -190,10 +180,11 @@ class FederatedModule(pl.LightningModule):
         import wandb
 
         rows = [[c, a] for c, a in enumerate(per_client.tolist()) if not math.isnan(a)]
-        table = wandb.Table(columns=["client", "acc"], data=rows)
+        table = wandb.Table(columns=["client", key], data=rows)
+        title = f"{split}: {'accuracy' if key == 'acc' else key} of the global model per client"
         for logger in loggers:
-            bar = wandb.plot.bar(table, "client", "acc", title=f"{split}: accuracy of the global model per client")
-            logger.experiment.log({f"{split}/client_acc_table": table, f"{split}/client_acc_bar": bar})
+            bar = wandb.plot.bar(table, "client", key, title=title)
+            logger.experiment.log({f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar})
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,279 @@
+r"""Tasks: what the net's outputs are scored against, in training (the loss) and in evaluation (the metrics).
+
+A task is the ``task=`` config group (``configs/task/``), built with Hydra's ``instantiate`` by :func:`flx.run.build`
+and handed to :class:`~flx.models.module.FederatedModule`. It gives
+
+- ``loss(outputs, target)``: the batch-mean loss. The federation's local steps minimise it (``loss_fn``, also
+  ``Federation.eval_loss``) and evaluation logs its mean over a split's rows as ``{split}/loss``;
+- ``targets`` and ``target_dtype``: class labels (int64) or real values (float32 in the store, cast once to the
+  net's dtype: :class:`~flx.datamodules.datamodule.ClientStore`);
+- ``num_outputs(data, binary_head)``: the net's output columns;
+- ``metrics(num_classes, num_clients)``: one split's evaluation metrics (:class:`SplitMetrics`).
+
+The shipped tasks (``task=``):
+
+- ``Classification`` (default): softmax cross-entropy, BCE with logits on one output (:mod:`flx.models.heads`);
+  logs ``{split}/loss``, ``acc``, ``client_acc_{mean,worst,std}``, with 2 classes also ``auroc``, ``pauc_0.3``,
+  ``pauc_0.5``.
+- ``Regression``: :math:`s \cdot \frac{1}{BK} \sum_{b,k} (\hat y_{bk} - y_{bk})^2` (``scale`` :math:`s`, 1: the MSE);
+  logs ``loss``, ``mse``, ``rmse``, ``client_mse_{mean,worst,std}`` (worst: the largest).
+- ``Custom``: any ``fn(outputs, target)`` named by ``_target_``; logs ``loss``, and a ``task.metric`` by its name.
+
+Real-valued targets are ``(B,)`` (one column, the net has one output) or ``(B, K)``; a regression loss sees the
+outputs in the target's shape, so ``(B, 1)`` outputs never broadcast against ``(B,)`` targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, MeanSquaredError, Metric
+from torchmetrics.classification import MulticlassAccuracy
+
+from flx.datamodules.store import TensorData
+from flx.errors import bad_value
+from flx.metrics.auc import AUROCs
+from flx.metrics.client_summary import PerClientAccuracy, PerClientMSE
+from flx.models import heads
+from flx.task_spec import CLASSES, REAL, TARGETS, mismatch
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def as_target(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """Real-valued ``outputs`` reshaped to ``target``'s shape (``(B, 1)`` -> ``(B,)``), both in their promoted dtype
+    (no copy when they agree, as in training: the store's targets are already in the net's dtype)."""
+    dtype = torch.promote_types(outputs.dtype, target.dtype)
+    return outputs.reshape(target.shape).to(dtype), target.to(dtype)
+
+
+class SplitMetrics(nn.Module):
+    """One split's evaluation metrics: the mean task loss over the split's rows and the task's own metrics, plus a
+    per-client metric summarised over the clients (``client_key``, e.g. ``acc``: ``client_acc_{mean,worst,std}``).
+
+    Args:
+        loss_fn: the task's batch-mean loss.
+    """
+
+    client_key: str | None = None  # the per-client metric's name; None: no per-client summary
+    higher_is_better = True  # of the per-client metric: its worst client is the min (else the max)
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.loss_fn, self.loss = loss_fn, MeanMetric()
+
+    def update(self, outputs: Tensor, target: Tensor) -> None:
+        """A batch of the split's rows: ``outputs`` of the net, ``target`` from the store."""
+        self.loss.update(self.loss_fn(outputs, target), weight=len(target))
+
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        """A batch of per-client rows (``client``: each row's owner)."""
+
+    def values(self) -> dict[str, Metric | Tensor]:
+        """What to log now as ``{split}/<name>``: Metric objects (Lightning computes and resets them) or tensors
+        (computed here, their metrics reset)."""
+        return {"loss": self.loss}
+
+    def client_values(self) -> Tensor:
+        """The per-client metric (NaN for a client without rows); resets it."""
+        raise NotImplementedError
+
+
+class ClassificationMetrics(SplitMetrics):
+    """``acc`` (micro), ``loss``; with 2 classes also AUROC and standardised pAUC (FPR <= 0.3, 0.5) of the margin
+    :math:`z` (:func:`flx.models.heads.binary_margin`); per client: accuracy."""
+
+    client_key = "acc"
+
+    def __init__(self, loss_fn: LossFn, num_classes: int, num_clients: int) -> None:
+        super().__init__(loss_fn)
+        self.acc = MulticlassAccuracy(num_classes, average="micro")
+        self.client = PerClientAccuracy(num_clients)
+        self.auc = AUROCs() if num_classes == 2 else None
+
+    def update(self, outputs: Tensor, target: Tensor) -> None:
+        self.acc.update(heads.predict(outputs), target)
+        super().update(outputs, target)
+        if self.auc is not None:
+            self.auc.update(heads.binary_margin(outputs), target)
+
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        self.client.update(heads.predict(outputs), target, client)
+
+    def values(self) -> dict[str, Metric | Tensor]:
+        out: dict[str, Metric | Tensor] = {"acc": self.acc, "loss": self.loss}
+        if self.auc is not None:
+            out |= {key: value.float() for key, value in self.auc.compute().items()}
+            self.auc.reset()
+        return out
+
+    def client_values(self) -> Tensor:
+        per_client = self.client.compute()
+        self.client.reset()
+        return per_client
+
+
+class RegressionMetrics(SplitMetrics):
+    """``loss``, ``mse`` and ``rmse`` (over every row and target column); per client: the MSE."""
+
+    client_key, higher_is_better = "mse", False
+
+    def __init__(self, loss_fn: LossFn, num_clients: int) -> None:
+        super().__init__(loss_fn)
+        self.mse, self.client = MeanSquaredError(), PerClientMSE(num_clients)
+
+    def update(self, outputs: Tensor, target: Tensor) -> None:
+        super().update(outputs, target)
+        pred, target = as_target(outputs, target)
+        self.mse.update(pred.reshape(-1), target.reshape(-1))
+
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        self.client.update(*as_target(outputs, target), client)
+
+    def values(self) -> dict[str, Metric | Tensor]:
+        mse = self.mse.compute()
+        self.mse.reset()
+        return {"loss": self.loss, "mse": mse, "rmse": mse.sqrt()}
+
+    def client_values(self) -> Tensor:
+        per_client = self.client.compute()
+        self.client.reset()
+        return per_client
+
+
+class CustomMetrics(SplitMetrics):
+    """``loss`` and, with a metric function, its batch means averaged over the rows as ``{split}/<name>``."""
+
+    def __init__(self, loss_fn: LossFn, metric_name: str | None = None, metric_fn: LossFn | None = None) -> None:
+        super().__init__(loss_fn)
+        self.metric_name, self.metric_fn = metric_name, metric_fn
+        self.metric = MeanMetric() if metric_fn is not None else None
+
+    def update(self, outputs: Tensor, target: Tensor) -> None:
+        super().update(outputs, target)
+        if self.metric is not None:
+            self.metric.update(self.metric_fn(outputs, target), weight=len(target))
+
+    def values(self) -> dict[str, Metric | Tensor]:
+        return {"loss": self.loss} | ({self.metric_name: self.metric} if self.metric is not None else {})
+
+
+class Task:
+    """The interface (see the module docstring). ``targets``: ``classes`` (int64 labels) or ``real`` (floats)."""
+
+    name = "task"
+    targets = CLASSES
+
+    @property
+    def target_dtype(self) -> torch.dtype:
+        """The store's dtype of the targets: int64 labels, float32 real values."""
+        return torch.float32 if self.targets == REAL else torch.int64
+
+    def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
+        """The batch-mean loss of ``outputs`` (the net's, ``(B, C)``) against ``target`` (the store's)."""
+        raise NotImplementedError
+
+    def num_outputs(self, data: TensorData, binary_head: str = "two_logits") -> int:
+        """The net's output columns: per class (:func:`flx.models.heads.num_outputs`) or per target column."""
+        if self.targets == REAL:
+            return 1 if data.y_train.dim() == 1 else int(data.y_train.shape[1])
+        return heads.num_outputs(binary_head, data.num_classes)
+
+    def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
+        """A fresh set of one split's evaluation metrics."""
+        return SplitMetrics(self.loss)
+
+    def check_data(self, data: TensorData) -> None:
+        """Raises a one-line :class:`~flx.errors.ConfigError` unless the data's targets are the task's kind."""
+        if data.real_targets != (self.targets == REAL):
+            raise mismatch(self.name, self.targets, data.name or "?")
+
+
+class Classification(Task):
+    """Class labels, softmax cross-entropy (BCE with logits for ``model.binary_head=one_logit``): the default."""
+
+    name = "classification"
+
+    def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
+        return heads.classification_loss(outputs, target)
+
+    def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
+        return ClassificationMetrics(self.loss, num_classes, num_clients)
+
+
+class Regression(Task):
+    r"""Real-valued targets, mean squared error: :math:`\ell = s \cdot \frac{1}{BK} \sum_{b,k} (\hat y_{bk} -
+    y_{bk})^2` (``K`` target columns).
+
+    Args:
+        scale: :math:`s`; 1 is the MSE, 0.5 the :math:`\frac{1}{2} r^2` convention (e.g. pFedFBE's Lasso, whose
+            paper leaves the factor open: pfedfbe.md §5 item 10). ``{split}/mse`` is always unscaled.
+    """
+
+    name, targets = "regression", REAL
+
+    def __init__(self, scale: float = 1.0) -> None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise bad_value("task.scale", scale, "must be a number > 0")
+        self.scale = float(scale)
+
+    def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
+        mse = F.mse_loss(*as_target(outputs, target))
+        return mse if self.scale == 1.0 else self.scale * mse
+
+    def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
+        return RegressionMetrics(self.loss, num_clients)
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    """A callable's name (``functools.partial``: its function's), e.g. ``l1_loss``."""
+    while isinstance(fn, partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+class Custom(Task):
+    """Any batch-mean loss ``fn(outputs, target) -> Tensor`` given by ``_target_`` (``_partial_: true`` for a
+    function with options), e.g. ``torch.nn.functional.l1_loss``.
+
+    Args:
+        loss: the loss function; also logged as ``{split}/loss``.
+        metric: an optional second batch-mean function, logged as ``{split}/<metric_name>``.
+        metric_name: its key; None: the function's name (``mse_loss``).
+        targets: ``real`` (the functions get the outputs in the target's shape, in one dtype) or ``classes``
+            (logits ``(B, C)`` and int64 labels, as given).
+    """
+
+    name = "custom"
+
+    def __init__(
+        self, loss: LossFn, metric: LossFn | None = None, metric_name: str | None = None, targets: str = REAL
+    ) -> None:
+        for key, fn in (("task.loss", loss), ("task.metric", metric)):
+            if fn is not None and not callable(fn):
+                why = "must be a callable fn(outputs, target) -> Tensor, e.g. {_target_: torch.nn.functional.l1_loss}"
+                raise bad_value(key, fn, why)
+        if loss is None:
+            raise bad_value("task.loss", loss, "required: a loss fn(outputs, target) -> Tensor given by _target_")
+        if targets not in TARGETS:
+            raise bad_value("task.targets", targets, f"allowed: {', '.join(TARGETS)}")
+        self.loss_fn, self.metric_fn, self.targets = loss, metric, targets
+        self.metric_name = None if metric is None else metric_name or _name_of(metric)
+
+    def _args(self, outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        return as_target(outputs, target) if self.targets == REAL else (outputs, target)
+
+    def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
+        return self.loss_fn(*self._args(outputs, target))
+
+    def metric(self, outputs: Tensor, target: Tensor) -> Tensor:
+        """The batch mean of ``task.metric``."""
+        return self.metric_fn(*self._args(outputs, target))
+
+    def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
+        return CustomMetrics(self.loss, self.metric_name, self.metric if self.metric_fn is not None else None)
