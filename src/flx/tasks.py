@@ -168,6 +168,11 @@ class Task:
 
     name = "task"
     targets = CLASSES
+    client_key, higher_is_better = "loss", False  # the per-client metric of personalised evaluation
+
+    def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
+        """The batch mean of the per-client metric (:meth:`flx.federation.Federation.evaluate_clients`)."""
+        return self.loss(outputs, target)
 
     @property
     def target_dtype(self) -> torch.dtype:
@@ -198,9 +203,13 @@ class Classification(Task):
     """Class labels, softmax cross-entropy (BCE with logits for ``model.binary_head=one_logit``): the default."""
 
     name = "classification"
+    client_key, higher_is_better = "acc", True
 
     def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
         return heads.classification_loss(outputs, target)
+
+    def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
+        return (heads.predict(outputs) == target).double().mean()
 
     def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
         return ClassificationMetrics(self.loss, num_classes, num_clients)
@@ -216,6 +225,10 @@ class Regression(Task):
     """
 
     name, targets = "regression", REAL
+    client_key = "mse"
+
+    def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
+        return F.mse_loss(*as_target(outputs, target))
 
     def __init__(self, scale: float = 1.0) -> None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:

@@ -181,6 +181,19 @@ class FederatedDataModule(pl.LightningDataModule):
         """Whether ``split`` (``val`` or ``test``) has per-client evaluation rows."""
         return sum(len(t) for t in self._client_rows[split]) > 0
 
+    def client_eval_data(self, split: str) -> list[tuple[Tensor, Tensor]]:
+        """Each client's evaluation rows of ``split`` (``val`` or ``test``) as ``(x, y)``: the rows its per-client
+        metrics use (``client_eval``), e.g. for the personalised evaluation."""
+        x, y = self._client_source(split)
+        return [(x[rows], y[rows]) for rows in self._client_rows[split]]
+
+    def _client_source(self, split: str) -> tuple[Tensor, Tensor]:
+        """The tensors the per-client rows of ``split`` index: the split's, or the training rows for the holdout."""
+        d = self.data
+        if split == "test" and self.client_eval == "holdout":
+            return d.x_train, d.y_train
+        return (d.x_val, d.y_val) if split == "val" else (d.x_test, d.y_test)
+
     def train_dataloader(self) -> RoundLoader:
         return RoundLoader()
 
@@ -202,8 +215,7 @@ class FederatedDataModule(pl.LightningDataModule):
             per_client = self._client_rows[split]
             rows = torch.cat(per_client)
             owner = torch.cat([torch.full((len(t),), c, dtype=torch.long) for c, t in enumerate(per_client)])
-            if split == "test" and self.client_eval == "holdout":
-                x, y = d.x_train, d.y_train
+            x, y = self._client_source(split)
             loaders.append(TensorBatches((x[rows], y[rows], owner), self.eval_batch_size, self._rank_rows(len(rows))))
         return loaders
 

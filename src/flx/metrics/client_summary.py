@@ -68,3 +68,13 @@ def summarize(values: Tensor, higher_is_better: bool = True) -> dict[str, Tensor
     values = values[~torch.isnan(values)]
     worst = values.min() if higher_is_better else values.max()
     return {"mean": values.mean(), "worst": worst, "std": values.std(unbiased=False)}
+
+
+def spread(values: Tensor, higher_is_better: bool = True) -> dict[str, Tensor]:
+    """Mean, worst and the 10th percentile counted from the worst side (``p10``: 10% of the clients do worse; for an
+    error, lower is better, it is the 90th percentile) over the clients with evaluation rows (linear interpolation,
+    ``torch.quantile``)."""
+    values = values[~torch.isnan(values)].double()
+    worst = values.min() if higher_is_better else values.max()
+    p10 = torch.quantile(values, 0.1 if higher_is_better else 0.9)
+    return {"mean": values.mean(), "worst": worst, "p10": p10}

@@ -25,7 +25,7 @@ from flx.faults import Diverged
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.loop import IDLE
-from flx.metrics.client_summary import summarize
+from flx.metrics.client_summary import spread, summarize
 from flx.tasks import Classification, Task
 
 
@@ -147,6 +147,23 @@ class FederatedModule(pl.LightningModule):
             if stage == "val":
                 self._check_finite(split)
             self._log_split(split, dm.has_client_rows(split))
+            if dm.has_client_rows(split) and self.federation.parts_with("personalize"):
+                self._log_personal(split)
+
+    def _log_personal(self, split: str) -> None:
+        """Each client's personalised model (the parts' ``personalize``) on its own evaluation rows of ``split``:
+        ``{split}/personal_<key>_{mean,worst,p10}`` (``<key>``: the task's per-client metric), and on W&B the
+        per-client table and bar chart."""
+        dtype = next(self.net.parameters()).dtype
+        data = [
+            (x.to(self.device, dtype) if x.is_floating_point() else x.to(self.device), y.to(self.device))
+            for x, y in self.trainer.datamodule.client_eval_data(split)
+        ]
+        per_client = self.federation.evaluate_clients(data, self.task.client_metric)
+        key = self.task.client_key
+        for k, v in spread(per_client, self.task.higher_is_better).items():
+            self.log(f"{split}/personal_{key}_{k}", v.float(), add_dataloader_idx=False)
+        self._log_client_table(split, per_client, f"personal_{key}")
 
     def _check_finite(self, split: str) -> None:
         """A non-finite loss of the global model during fit: the run stops as diverged (never ends with it)."""
@@ -181,7 +198,8 @@ class FederatedModule(pl.LightningModule):
 
         rows = [[c, a] for c, a in enumerate(per_client.tolist()) if not math.isnan(a)]
         table = wandb.Table(columns=["client", key], data=rows)
-        title = f"{split}: {'accuracy' if key == 'acc' else key} of the global model per client"
+        model = "the personalised models" if key.startswith("personal_") else "the global model"
+        title = f"{split}: {'accuracy' if key == 'acc' else key} of {model} per client"
         for logger in loggers:
             bar = wandb.plot.bar(table, "client", key, title=title)
             logger.experiment.log({f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar})
