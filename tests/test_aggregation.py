@@ -74,3 +74,10 @@ def test_masks_need_the_count_mean() -> None:
     for agg in (WeightedMean([torch.zeros(2)]), AdmmSum([torch.zeros(2)])):
         with pytest.raises(ValueError, match="count_mean"):
             agg.update([torch.ones(2)], 1.0, masks=[torch.ones(2)])
+
+
+def test_the_precheck_knows_every_aggregator() -> None:
+    """config.AGGREGATORS (torch-free, for the pre-run check) names exactly the aggregators there are."""
+    from flx import aggregation, config
+
+    assert tuple(aggregation.AGGREGATORS) == config.AGGREGATORS

@@ -111,6 +111,7 @@ CASES = [
     Case("batch-size-zero", ("algo.batch_size=0",), ("algo.batch_size=0", ">= 1")),
     Case("momentum-too-big", ("algo.momentum=1.5",), ("algo.momentum=1.5", "[0, 1)")),
     Case("duplicates-unknown", ("algo.duplicates=twice",), ("algo.duplicates=", "twice", "multiplicity, repeat")),
+    Case("aggregator-unknown", ("algo.aggregator=median",), ("algo.aggregator=", "median", "count_mean, admm_sum")),
     Case("model-init-unknown", ("model.init=ones",), ("model.init=", "ones", "default, zeros")),
     Case("weighting-unknown", ("algo.weighting=foo",), ("algo.weighting=", "foo", "num_samples")),
     Case("server-name-unknown", ("algo.server.name=sgdx",), ("algo.server.name=", "sgdx", "adam")),

@@ -32,6 +32,8 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     parts = plain("algo.parts") or {}
     task = plain("task")  # the loss: only when not the default, so that checkpoints written before tasks still match
     task = {} if task is None or task.get("_target_") == "flx.tasks.Classification" else {"task": task}
+    aggregator = plain("algo.aggregator")  # likewise only when not the default weighted mean
+    task |= {} if aggregator in (None, "mean") else {"algo.aggregator": aggregator}
     return {
         "model": plain("model"),
         "algo.name": plain("algo.name"),
