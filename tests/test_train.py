@@ -31,10 +31,28 @@ def compose(out: Path, *overrides: str) -> DictConfig:
 
 
 class VisitCounter(FederatedCallback):
-    """Test part with per-client state: counts how often each client trained."""
+    """Test part with per-client state: counts how often each client trained. On N processes it also checks
+    ``fed.on_server`` each round: the function runs on one rank only and every rank receives rank 0's result."""
+
+    def __init__(self) -> None:
+        self.server_checks: list[list[float]] = []  # per round: [ranks that ran it, sum of the received ranks]
 
     def on_client_end(self, fed, client) -> None:
         client.state["visits"] = client.state.get("visits", torch.zeros(())) + 1
+
+    def on_round_end(self, fed, rnd) -> None:
+        if fed.world_size == 1:
+            return
+        ran: list[int] = []
+        got = fed.on_server(lambda: ran.append(fed.rank) or fed.rank)
+        sums = fed.reduce_sum(torch.tensor([float(len(ran)), float(got)]))
+        self.server_checks.append(sums.tolist())
+
+    def state_dict(self) -> dict:
+        return {"server_checks": self.server_checks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.server_checks = state["server_checks"]
 
 
 COUNTER = "+algo.parts.counter._target_=test_train.VisitCounter"
@@ -144,6 +162,9 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
         torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
     visits = [{c: float(s["visits"]) for c, s in ck["flx"]["store"]["clients"].items()} for ck in (one, two)]
     assert visits[0] == visits[1] and sum(visits[0].values()) == 3 * 5
+    # fed.on_server over the real process group: one rank ran it, both received rank 0's result (0 + 0), each round
+    checks = next(v for k, v in two["callbacks"].items() if "VisitCounter" in k)["server_checks"]
+    assert checks == [[1.0, 0.0]] * 3
 
 
 def test_per_client_summary_matches_manual_evaluation(tmp_path: Path) -> None:

@@ -101,7 +101,8 @@ class WeightedMean(_FlatBuffer):
         """The weighted means (views into the buffer; valid until the next ``reset``)."""
         total = self._weight[0]
         if float(total) <= 0:
-            raise RuntimeError("WeightedMean.compute() with zero total weight: no client contributed this round")
+            name = type(self).__name__
+            raise RuntimeError(f"{name}.compute() with zero total weight: no client contributed this round")
         torch._foreach_div_(self._sums, total)
         return self._sums
 
@@ -140,33 +141,21 @@ class CountMean(_FlatBuffer):
         return out
 
 
-class AdmmSum(_FlatBuffer):
+class AdmmSum(WeightedMean):
     """``sum_i u_i / sum_i p_i``: uploads added unweighted, weights summed apart (``algo.aggregator=admm_sum``).
 
     The ADMM server step of AugFL (Eq. 13): a client uploads ``u_i = y_i + rho_i theta_i`` with weight ``rho_i``; a
-    part subtracts ``lambda G / sum rho`` in ``on_server_step`` (``total_weight`` is ``sum rho``).
+    part subtracts ``lambda G / sum rho`` in ``on_server_step`` (``total_weight`` is ``sum rho``, not pre-divided).
     """
 
-    def __init__(self, like: Sequence[Tensor], extra: int = 0, dtype: torch.dtype | None = None) -> None:
-        super().__init__(like, 1, 1 + extra, dtype)
-        self._sums, self._weight, self.extra = self._regions[0], self.extra[:1], self.extra[1:]
+    def reset(self, expected_weight: float = 1.0) -> None:
+        super().reset()  # the weights are not pre-divided: total_weight is the plain sum of the rho_i
 
     def update(self, tensors: Sequence[Tensor], weight: float, masks: Sequence[Tensor] | None = None) -> None:
         if masks is not None:
             raise ValueError("client.masks need algo.aggregator=count_mean")
         torch._foreach_add_(self._sums, [t.detach() for t in tensors])
         self._weight += float(weight)
-
-    @property
-    def total_weight(self) -> float:
-        return float(self._weight)
-
-    def compute(self, previous: Sequence[Tensor] = ()) -> list[Tensor]:
-        total = self._weight[0]
-        if float(total) <= 0:
-            raise RuntimeError("AdmmSum.compute() with zero total weight: no client contributed this round")
-        torch._foreach_div_(self._sums, total)
-        return self._sums
 
 
 Aggregator = WeightedMean | CountMean | AdmmSum
