@@ -1,0 +1,101 @@
+r"""Ditto: a personal model per client, trained next to the global FedAvg model.
+
+Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through Personalization", ICML 2021, Algorithm 1
+(the pFedFBE digest's "pFedditto" baseline, ``shared/papers/pfedfbe.md`` §3.4). The global model is FedAvg's (the
+core's local SGD steps and mean, untouched: Ditto's global model is FedAvg's bit for bit); client :math:`i` also
+keeps a personal model :math:`v_i` that minimises :math:`f_i(v) + \frac{\lambda}{2} \lVert v - w^t \rVert^2`, one
+step per local step on the same minibatch :math:`D` (as the authors' code does):
+
+.. math::
+    v_i \leftarrow \mathrm{prox}_{\eta_v h}\big(v_i - \eta_v (\nabla f_i(v_i; D) + \lambda (v_i - w^t))\big).
+
+:math:`w^t` is the round's global model (fixed during the round). With a regulariser :math:`h` (pFedFBE's composite
+setting) the step is a proximal-gradient step: our extension, the identity for :math:`h = 0`. :math:`v_i` lives in
+``client.state`` (the CPU store, not on the accelerator); at a client's first round it starts from :math:`w^t` (the
+authors' code starts every :math:`v_i` from :math:`w^0`, which for a client first sampled late is an untrained
+model). ``personalize`` installs :math:`v_i` (a client never sampled: the global model).
+
+Symbols: ``lam`` (:math:`\lambda`), ``personal_lr`` (:math:`\eta_v`, default ``algo.lr`` as in the paper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from flx.callbacks.fbe import as_regularizer
+from flx.callbacks.personal_model import from_state, install, keep, stored
+from flx.errors import bad_value
+from flx.hooks import FederatedCallback
+from flx.regularizers import Regularizer
+
+if TYPE_CHECKING:
+    from flx.context import ClientContext
+    from flx.federation import Federation
+
+_V = "ditto/v/"  # client.state keys: _V + index into fed.params
+_STREAM, _ROWS, _VK = "ditto/stream", "ditto/rows", "ditto/v"
+
+
+@dataclass(frozen=True)
+class DittoParams:
+    """``lam`` (:math:`\\lambda`), ``personal_lr`` (:math:`\\eta_v`; None: ``algo.lr``)."""
+
+    lam: float = 0.1
+    personal_lr: float | None = None
+
+
+class Ditto(FederatedCallback):
+    """Ditto's personal models: one proximal step on :math:`v_i` per local step (``on_local_step_end``), kept in the
+    state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.callbacks.fbe.FBE`."""
+
+    def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
+        self.params = p = DittoParams(**params)
+        if not p.lam >= 0:
+            raise bad_value("algo.lam", p.lam, "Ditto's lambda, >= 0")
+        if p.personal_lr is not None and not p.personal_lr > 0:
+            raise bad_value("algo.personal_lr", p.personal_lr, "> 0, or null for algo.lr")
+        self.reg = as_regularizer(regularizer)
+
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        self.reg.bind(fed.net)
+        others = [type(q).__name__ for q in fed.parts_with("sample_batch") if q is not self]
+        if others:
+            raise bad_value("algo.parts", others[0], "chooses the minibatches, and Ditto steps v_i on the step's rows")
+
+    @override
+    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+        # the core hands parts the step's (x, y), not its rows, and fed.grad_at takes rows: this part owns the default
+        # minibatch stream (fed.client_batches: the batches the core would draw) and records each step's rows
+        client.extras[_STREAM] = fed.client_batches(client)
+        v = from_state(client.state, _V, len(fed.params))
+        client.extras[_VK] = v if v is not None else [t.clone() for t in fed.global_params]
+
+    @override
+    def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor:
+        stream: Iterator[Tensor] = client.extras[_STREAM]
+        client.extras[_ROWS] = rows = next(stream)
+        return rows
+
+    @override
+    def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
+        lr = self.params.personal_lr or fed.cfg.lr
+        v: list[Tensor] = client.extras[_VK]
+        step = fed.grad_at(v, client.extras.pop(_ROWS))
+        torch._foreach_add_(step, torch._foreach_sub(v, fed.global_params), alpha=self.params.lam)
+        client.extras[_VK] = self.reg.prox(torch._foreach_add(v, step, alpha=-lr), lr)
+
+    @override
+    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+        keep(client, _V, client.extras.pop(_VK))
+
+    @override
+    def personalize(self, fed: Federation, cid: int) -> Any:
+        v = stored(fed, cid, _V)
+        return install(fed, v) if v is not None else None
