@@ -322,3 +322,19 @@ def test_hook_set_is_documented_in_the_round_protocol() -> None:
     table = (Path(__file__).resolve().parents[1] / "docs" / "round_protocol.md").read_text()
     missing = [h for h in HOOKS if f"`{h}(" not in table]
     assert not missing, f"hooks missing from docs/round_protocol.md: {missing}"
+
+
+def test_client_rows_are_the_steps_minibatch() -> None:
+    """``client.rows`` holds the step's row indices, so ``fed.grad_at(w, client.rows)`` is the step's gradient."""
+    data = _regression([9, 7])
+    seen: list[bool] = []
+
+    class Check(FederatedCallback):
+        def on_local_grad(self, fed, client) -> None:
+            assert torch.equal(fed.data.x[client.rows], client.batch[0])
+            at = [p.detach() for p in fed.params]
+            seen.append(all(torch.equal(g, p.grad) for g, p in zip(fed.grad_at(at, client.rows), fed.params)))
+
+    fed = make_fed(linear(dim=3, out=1, dtype=f64), data, [Check()], loss_fn=_mse, clients_per_round=2, batch_size=4)
+    run_rounds(fed, 1)
+    assert seen and all(seen)

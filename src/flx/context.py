@@ -92,6 +92,7 @@ class ClientContext:
     state: dict[str, Tensor]
     step: int = 0
     batch: tuple[Tensor, Tensor] | None = None
+    rows: Tensor | None = None  # the step's row indices into the store (``batch`` is ``x[rows], y[rows]``)
     outputs: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     draws: int = 1  # cohort draws this local run stands for (its weight's factor): k (multiplicity) or 1 (repeat)

@@ -402,7 +402,7 @@ class Federation:
                 client.step = k
                 rows = self._part_batch(client)
                 rows = next(default) if rows is None else rows  # the default stream advances only when used
-                client.batch = (x[rows], y[rows])
+                client.rows, client.batch = rows, (x[rows], y[rows])
                 opt.zero_grad(set_to_none=True)
                 client.outputs = self.net(client.batch[0])
                 loss = self.loss_fn(client.outputs, client.batch[1])
@@ -415,7 +415,7 @@ class Federation:
                 for part in self._hooked["on_local_step_end"]:
                     part.on_local_step_end(self, client)
                 total += loss.detach()
-        client.batch = client.outputs = None
+        client.rows = client.batch = client.outputs = None
         return total
 
     # ------------------------------------------------------------------ personalised evaluation
