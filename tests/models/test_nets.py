@@ -18,6 +18,7 @@ from flx.models.timm_factory import load_local_weights, timm_net
 
 # One small case per registry entry: (input_shape, options). Registering a net without a case fails the test.
 CASES: dict[str, tuple[tuple[int, ...], dict]] = {
+    "linear": ((4, 4), {"bias": False}),
     "logreg": ((30,), {}),
     "mlp": ((1, 8, 8), {"hidden": (16, 8), "dropout": 0.1}),
     "cnn": ((3, 32, 32), {"channels": (4, 8), "hidden": 16}),

@@ -194,7 +194,7 @@ def standardized(data: TensorData) -> TensorData:
     validation rows, with the clients' statistics. Integer inputs (token ids) are left as they are."""
     if not data.x_train.is_floating_point():
         return data
-    mean, std = (s.float() for s in channel_stats(data.x_train[: data.num_client_rows]))
+    mean, std = (s.to(data.x_train.dtype) for s in channel_stats(data.x_train[: data.num_client_rows]))
 
     def z(x: Tensor | None) -> Tensor | None:
         return None if x is None else (x - mean).div_(std)
@@ -212,7 +212,7 @@ def standardized_target(data: TensorData) -> TensorData:
     std = torch.where(std == 0, torch.ones_like(std), std)
 
     def z(t: Tensor | None) -> Tensor | None:
-        return None if t is None else ((t.double() - mean) / std).float()
+        return None if t is None else ((t.double() - mean) / std).to(t.dtype)  # float32 stays float32
 
     return replace(data, y_train=z(data.y_train), y_val=z(data.y_val), y_test=z(data.y_test))
 

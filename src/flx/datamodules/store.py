@@ -15,9 +15,10 @@ class TensorData:
 
     Attributes:
         x_train: inputs, shape ``(N, *input_shape)``: float32 features (images are ``(N, C, H, W)``), standardised,
-            or int64 token ids (text, e.g. ``(N, L)`` character ids); never cast to the model's dtype.
-        y_train: int64 class labels, shape ``(N,)``, or float32 real-valued targets (regression, e.g.
-            ``data=diabetes``), shape ``(N,)`` or ``(N, K)``: see :attr:`real_targets`.
+            or int64 token ids (text, e.g. ``(N, L)`` character ids); float64 where a generator is asked for it
+            (``data.dtype``, :mod:`flx.datamodules.pfedfbe_data`). Cast to the model's dtype by the client store.
+        y_train: int64 class labels, shape ``(N,)``, or float32 (float64 with float64 inputs) real-valued targets
+            (regression, e.g. ``data=diabetes``), shape ``(N,)`` or ``(N, K)``: see :attr:`real_targets`.
         x_test: inputs of the global test split, shape ``(M, *input_shape)``, same dtype as ``x_train``.
         y_test: targets of the global test split, shape ``(M, ...)``, same dtype as ``y_train``.
         num_classes: number of classes; 0 for real-valued targets.
@@ -35,6 +36,9 @@ class TensorData:
         num_server: the server split (``data.server_fraction``): the LAST ``num_server`` rows of ``x_train`` /
             ``y_train`` (/ ``groups_train``). No client holds them and the partitioner never sees them; the clients'
             rows are the first :attr:`num_client_rows`.
+        truth: for generated data with a known model, the ground-truth weights of each sample group, shape
+            ``(G, *weight_shape)``, indexed by the group ids of ``groups_train`` / ``groups_test`` (pFedFBE's Lasso:
+            ``(30, 1024)``; matrix completion: ``(30, 32, 32)``); ``None`` for real data. Kept through the carve.
     """
 
     x_train: Tensor
@@ -51,6 +55,7 @@ class TensorData:
     groups_val: Tensor | None = None
     rows: dict[str, np.ndarray] | None = None
     num_server: int = 0
+    truth: Tensor | None = None
 
     @property
     def num_client_rows(self) -> int:
@@ -62,11 +67,18 @@ class TensorData:
         return tuple(self.x_train.shape[1:])
 
     def __post_init__(self) -> None:
-        assert self.x_train.dtype in (torch.float32, torch.int64) and self.x_test.dtype == self.x_train.dtype
-        assert self.y_train.dtype in (torch.int64, torch.float32) and self.y_test.dtype == self.y_train.dtype
+        assert (
+            self.x_train.dtype in (torch.float32, torch.float64, torch.int64)
+            and self.x_test.dtype == self.x_train.dtype
+        )
+        assert (
+            self.y_train.dtype in (torch.int64, torch.float32, torch.float64)
+            and self.y_test.dtype == self.y_train.dtype
+        )
         assert len(self.x_train) == len(self.y_train) and len(self.x_test) == len(self.y_test)
         assert 0 <= self.num_server <= len(self.y_train)
         assert (self.groups_train is None) == (self.groups_test is None)
+        assert self.truth is None or self.groups_train is not None  # one truth per sample group
         if self.groups_train is not None and self.groups_test is not None:
             assert self.groups_train.dtype == torch.int64 and self.groups_test.dtype == torch.int64
             assert self.groups_train.shape == self.y_train.shape and self.groups_test.shape == self.y_test.shape
@@ -77,7 +89,7 @@ class TensorData:
 
     @property
     def real_targets(self) -> bool:
-        """Whether the targets are real numbers (float32: regression) rather than int64 class labels."""
+        """Whether the targets are real numbers (float32 or float64: regression) rather than int64 class labels."""
         return self.y_train.is_floating_point()
 
     @property

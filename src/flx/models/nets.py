@@ -1,4 +1,5 @@
-"""Small from-scratch networks used as FL baselines: logistic regression, MLP, the FedAvg CNN and a character GRU.
+"""Small from-scratch networks used as FL baselines: a linear model, logistic regression, MLP, the FedAvg CNN and a
+character GRU.
 
 Every constructor takes ``input_shape`` (the per-sample shape, e.g. ``(1, 28, 28)`` or ``(30,)``) and
 ``num_classes`` as keyword arguments, so each class can be a Hydra ``_target_`` with both values filled in at
@@ -17,7 +18,7 @@ from torch import nn
 
 from flx.errors import ConfigError, bad_value
 
-__all__ = ["CNN", "MLP", "CharGRU", "LogisticRegression", "as_shape", "check_num_classes"]
+__all__ = ["CNN", "MLP", "CharGRU", "Linear", "LogisticRegression", "as_shape", "check_num_classes"]
 
 
 def as_shape(input_shape: Sequence[Any]) -> tuple[int, ...]:
@@ -78,6 +79,33 @@ class LogisticRegression(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(B, *input_shape)`` to logits ``(B, num_classes)``."""
+        return self.linear(self.flatten(x))  # (B, D) -> (B, K)
+
+
+class Linear(nn.Module):
+    r"""A linear model :math:`\hat y = W \mathrm{vec}(x) + b`: flatten (row-major), one ``nn.Linear``, optional bias.
+
+    The regression model of pFedFBE's Lasso and matrix completion (``model=linear``): with one output the weight
+    ``linear.weight`` ``(1, D)`` is :math:`w`, and for ``(32, 32)`` inputs ``linear.weight.view(32, 32)`` is the matrix
+    :math:`W` of :math:`\langle W, X \rangle`; ``linear.bias`` is the unregularised :math:`b`.
+
+    Args:
+        input_shape: per-sample shape; it is flattened to ``D = prod(input_shape)`` features.
+        num_classes: number of outputs ``K`` (regression: one per target column).
+        bias: whether the model has the intercept :math:`b`.
+    """
+
+    def __init__(self, *, input_shape: Sequence[int], num_classes: int, bias: bool = True) -> None:
+        super().__init__()
+        self.input_shape = as_shape(input_shape)
+        self.num_classes = check_num_classes(num_classes)
+        if not isinstance(bias, bool):
+            raise bad_value("model.bias", bias, "expected true or false")
+        self.flatten = nn.Flatten(start_dim=1)
+        self.linear = nn.Linear(math.prod(self.input_shape), self.num_classes, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps ``(B, *input_shape)`` to ``(B, num_classes)``."""
         return self.linear(self.flatten(x))  # (B, D) -> (B, K)
 
 

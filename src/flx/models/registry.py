@@ -1,6 +1,6 @@
 """Name -> constructor registry for networks, in the style of timm's model registry.
 
-Built-in entries are ``logreg``, ``mlp``, ``cnn`` and ``timm``. Add your own with :func:`register`::
+Built-in entries are ``linear``, ``logreg``, ``mlp``, ``cnn`` and ``timm``. Add your own with :func:`register`::
 
     @register("my_net")
     def my_net(*, input_shape, num_classes, width=64) -> nn.Module: ...
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from flx.errors import bad_value
-from flx.models.nets import CNN, MLP, LogisticRegression
+from flx.models.nets import CNN, MLP, Linear, LogisticRegression
 from flx.models.timm_factory import timm_net
 
 __all__ = ["NETS", "build_net", "register"]
@@ -92,6 +92,7 @@ def _check_options(name: str, factory: NetFactory, kwargs: dict[str, Any]) -> No
         )
 
 
+register("linear")(Linear)
 register("logreg")(LogisticRegression)
 register("mlp")(MLP)
 register("cnn")(CNN)
