@@ -27,6 +27,7 @@ TINY = [
     "partition=dirichlet",
     "partition.alpha=0.3",
     "partition.num_clients=5",
+    "partition.test_fraction=0.3",  # each client's own test rows (client_eval=holdout)
     "algo.clients_per_round=3",
     "algo.local_steps=2",
     "algo.rounds=2",
@@ -96,3 +97,9 @@ def test_zeroed_personal_models_score_the_share_of_label_0_and_the_net_is_restor
     assert len(part.calls) == 2 * 5
     assert any(float(p.abs().max()) > 0 for p in module.net.parameters())  # the global model came back
     assert float(m["val/acc"]) > float(expected.mean())  # and it, not the zeroed one, is what val/acc measured
+    # the test loop runs under inference mode: the personalised evaluation must work there too
+    trainer.test(module, datamodule=dm, verbose=False)
+    tested = trainer.callback_metrics
+    test_rows = dm.client_eval_data("test")
+    share = torch.tensor([float((y == 0).double().mean()) for _, y in test_rows if len(y)], dtype=torch.float64)
+    assert float(tested["test/personal_acc_mean"]) == pytest.approx(float(share.mean()), abs=1e-6)

@@ -50,7 +50,9 @@ def evaluate_clients(
     ``data[cid]`` is client ``cid``'s ``(x, y)``. Client ``cid`` is evaluated on rank ``cid % world_size``, in eval
     mode; one all-reduce sums the per-client values. Returns one value per client (NaN: no rows), on the CPU.
     """
-    out = torch.zeros(len(data), 2, dtype=torch.float64, device=fed.params[0].device)
+    # plain floats per client: the personalised block leaves Lightning's inference mode, where a tensor made outside
+    # it could not be written
+    rows = [[0.0, 0.0] for _ in data]
     was_training = fed.net.training
     for cid in range(fed.rank, len(data), fed.world_size):
         x, y = data[cid]
@@ -59,9 +61,9 @@ def evaluate_clients(
         with personalized(fed, cid):
             fed.net.eval()
             with torch.no_grad(), fed.step_context():
-                out[cid, 0] = metric(fed.net(x), y).double() * len(y)
-            out[cid, 1] = len(y)
+                rows[cid] = [float(metric(fed.net(x), y)) * len(y), float(len(y))]
             fed.net.train(was_training)
+    out = torch.tensor(rows, dtype=torch.float64, device=fed.params[0].device)
     if fed.world_size > 1 and fed.reduce_sum is not None:
         out = fed.reduce_sum(out)
     return torch.where(out[:, 1] > 0, out[:, 0] / out[:, 1].clamp_min(1), torch.nan).cpu()
