@@ -41,7 +41,7 @@ def test_support_of_the_global_and_personalised_models() -> None:
     part = Structure()
     part.truths = torch.tensor([[1.0, 0, 0, 0], [1.0, 1.0, 0, 0], [0, 0, 1.0, 0]], dtype=f64)
     fed = _fed([Bump(), part], dim=4)
-    m = part.measure(fed)
+    m = part.values(fed)
     # global support {0}: F1 against each truth 2*1/(1+1), 2*1/(1+2), 0 -> mean; density 1/4
     assert m["support_f1"] == pytest.approx((1 + 2 / 3 + 0) / 3)
     assert m["support_precision"] == pytest.approx((1 + 1 + 0) / 3) and m["density"] == pytest.approx(0.25)
@@ -56,7 +56,7 @@ def test_rank_and_recovery_error_of_a_matrix_truth() -> None:
     truth = torch.diag(torch.tensor([1.0, 0.0], dtype=f64))
     part.truths = truth.expand(3, 2, 2).clone()
     fed = _fed([part], dim=4)  # weight (1, 4) -> [[0.5, 0.005], [0, 0]]: rank 1 (0.005 < 0.01 is not a direction)
-    m = part.measure(fed)
+    m = part.values(fed)
     assert m["rank"] == 1.0 and m["personal_rank_mean"] == 1.0
     err = float(torch.linalg.vector_norm(torch.tensor([0.5 - 1.0, 0.005, 0.0, 0.0], dtype=f64)))
     assert m["recovery_error"] == pytest.approx(err) and m["personal_recovery_error_mean"] == pytest.approx(err)
@@ -66,7 +66,7 @@ def test_param_pattern_must_match_one_parameter() -> None:
     part = Structure(param="*")
     part.truths = torch.zeros(3, 4, dtype=f64)
     with pytest.raises(Exception, match="algo.parts.structure.param"):
-        part.measure(_fed([part], dim=4))
+        part.values(_fed([part], dim=4))
 
 
 def test_objective_is_the_mean_client_loss_plus_h() -> None:

@@ -14,14 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
-from typing_extensions import override
-
-from flx.hooks import FederatedCallback
+from flx.callbacks.logged import LoggedMetrics
 from flx.regularizers import make_regularizer
 
 
-class Objective(FederatedCallback):
+class Objective(LoggedMetrics):
     """Logs ``F(w) = (1/N) sum_i f_i(w) + h(w)`` of the global model (see the module docstring).
 
     Args:
@@ -41,17 +38,3 @@ class Objective(FederatedCallback):
         smooth = sum(fed.eval_loss(rows) for rows in clients) / len(clients)
         h = float(self.reg.value(fed.params))
         return {"objective": smooth + h, "smooth": smooth, "regularizer": h}
-
-    def _log(self, split: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        for key, value in self.values(pl_module.federation).items():
-            pl_module.log(f"{split}/{key}", value, add_dataloader_idx=False)
-
-    @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log("val", trainer, pl_module)
-
-    @override
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log("test", trainer, pl_module)

@@ -23,14 +23,13 @@ from __future__ import annotations
 import fnmatch
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+from flx.callbacks.logged import LoggedMetrics
 from flx.datamodules.pfedfbe_data import client_truth
 from flx.errors import bad_value
-from flx.hooks import FederatedCallback
 from flx.metrics.sparse import THRESHOLD, numerical_rank, recovery_error, support_scores
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ SUPPORT = ("support_precision", "support_recall", "support_f1", "density")
 LOW_RANK = ("rank", "recovery_error")
 
 
-class Structure(FederatedCallback):
+class Structure(LoggedMetrics):
     """Logs the support or rank metrics of the global and the personalised models (see the module docstring).
 
     Args:
@@ -74,8 +73,10 @@ class Structure(FederatedCallback):
             return [s["precision"], s["recall"], s["f1"], s["density"]]
         return [float(numerical_rank(w, self.threshold)), recovery_error(w, truth)]
 
-    def measure(self, fed: Federation) -> dict[str, float]:
+    def values(self, fed: Federation) -> dict[str, float]:
         """Every metric of the global model (mean over the clients' truths) and of the personalised models."""
+        if self.truths is None:  # check_setup not run (a part built by hand without data)
+            return {}
         truths, i = self.truths.to(fed.params[0].device), self._index(fed)
         keys = SUPPORT if truths.dim() == 2 else LOW_RANK
         glob = torch.tensor([self.scores(fed.params[i], t) for t in truths], dtype=torch.float64).mean(0)
@@ -88,17 +89,3 @@ class Structure(FederatedCallback):
             personal = fed.reduce_sum(personal)
         out = {k: float(v) for k, v in zip(keys, glob)}
         return out | {f"personal_{k}_mean": float(v) for k, v in zip(keys, personal.mean(0).cpu())}
-
-    def _log(self, split: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self.truths is None:
-            return
-        for key, value in self.measure(pl_module.federation).items():
-            pl_module.log(f"{split}/{key}", value, add_dataloader_idx=False)
-
-    @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log("val", trainer, pl_module)
-
-    @override
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log("test", trainer, pl_module)
