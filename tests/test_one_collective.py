@@ -3,7 +3,8 @@
 Two ranks are simulated by two threads that take turns (one runs at a time, so the global RNG streams are as on
 two processes) and meet at every collective; each collective is logged with the rank, the round and the phase. The
 only other collectives are the core's: the client-state all-gather, in rounds where some client stored state
-(FeDXL2's ``u`` tables, CODASCA's control variates), and ClientLoss's evaluation reduce on validated rounds.
+(FeDXL2's ``u`` tables, CODASCA's control variates, pFedMe's and Ditto's personal models), and ClientLoss's
+evaluation reduce on validated rounds. FedMiD, FedDualAvg and pFedFBE add nothing to the round's one reduce.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from torch import Tensor, nn
 from flx.callbacks.client_loss import ClientLoss, client_train_losses
 from flx.callbacks.client_noise import ClientNoise
 from flx.callbacks.codasca import Codasca
+from flx.callbacks.ditto import Ditto
+from flx.callbacks.fbe import FBE
 from flx.callbacks.lambda_sampling import LambdaSampling
 from flx.callbacks.passive_buffer import PassiveBuffer
+from flx.callbacks.pfedme import PFedMe
+from flx.callbacks.prox_step import DualAveraging, ProxStep
 from flx.callbacks.qffl import QFFL
 from flx.federation import Federation
 
@@ -91,6 +96,7 @@ def _net(out: int = 3) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, out)).to(torch.float64)
 
 
+L1 = {"name": "l1", "mu": 0.01, "params": ["*weight"]}
 MULTICLASS = dict(clients_per_round=4, local_steps=3, lr=0.2, batch_size=4, seed=1)
 BINARY = dict(clients_per_round=3, local_steps=3, lr=0.2, batch_size=4, weighting="uniform")
 
@@ -117,6 +123,11 @@ CASES: dict[str, tuple[Callable[[], list], bool, dict, int, int]] = {
         0,
     ),
     "fedxl2": (lambda: [PassiveBuffer(b1=2, b2=3, gamma=0.5, beta=0.5), ClientNoise()], True, {}, 1, 0),
+    "fedmid": (lambda: [ProxStep(L1)], False, {}, 0, 0),
+    "feddualavg": (lambda: [DualAveraging(L1)], False, {}, 0, 0),
+    "pfedfbe": (lambda: [FBE(L1, lam=5.0)], False, {"weighting": "uniform"}, 0, 0),
+    "pfedme": (lambda: [PFedMe(L1, lam=5.0, personal_lr=0.05)], False, {"weighting": "uniform"}, 1, 0),
+    "ditto": (lambda: [Ditto(L1, lam=1.0, personal_lr=0.05)], False, {}, 1, 0),
 }
 
 
