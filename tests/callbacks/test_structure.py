@@ -67,20 +67,3 @@ def test_param_pattern_must_match_one_parameter() -> None:
     part.truths = torch.zeros(3, 4, dtype=f64)
     with pytest.raises(Exception, match="algo.parts.structure.param"):
         part.values(_fed([part], dim=4))
-
-
-def test_objective_is_the_mean_client_loss_plus_h() -> None:
-    """F(w) = (1/N) sum_i mean_{rows of i} loss + mu ||w||_1, by hand (clients of different sizes weigh the same)."""
-    from flx.callbacks.objective import Objective
-
-    part = Objective({"name": "l1", "mu": 0.5, "params": ["weight"]})
-    net = torch.nn.Linear(2, 1).to(f64)
-    data = toy_data([2, 5], dim=2, dtype=f64)
-    data.y = torch.arange(7, dtype=f64).reshape(7, 1)
-    fed = make_fed(net, data, [part], loss_fn=torch.nn.functional.mse_loss, clients_per_round=2)
-    v = part.values(fed)
-    with torch.no_grad():
-        f = [float(((net(data.x[r]) - data.y[r]) ** 2).mean()) for r in data.client_indices]
-    h = 0.5 * float(net.weight.abs().sum())
-    assert v["smooth"] == pytest.approx(sum(f) / 2) and v["regularizer"] == pytest.approx(h)
-    assert v["objective"] == pytest.approx(sum(f) / 2 + h)

@@ -36,6 +36,16 @@ TRACKED = (
     "test/pauc_0.5",
     # regression (task=regression): the errors, plotted with the losses
     *(f"{split}/{key}" for split in ("val", "test") for key in ("mse", "rmse", "client_mse_mean", "client_mse_worst")),
+    # composite objectives (flx.callbacks.objective) and personalised models (pFedFBE and its baselines)
+    "train/objective",
+    "train/h",
+    *(f"test/personal_{key}_mean" for key in ("acc", "mse")),
+    # structure of the global and personalised models (flx.callbacks.structure; logged in the validation loop)
+    *(
+        f"val/{p}{key}{s}"
+        for p, s in (("", ""), ("personal_", "_mean"))
+        for key in ("support_f1", "rank", "recovery_error")
+    ),
 )
 EVAL_ONLY = (
     "val/",
@@ -100,7 +110,7 @@ class RoundCurves(pl.Callback):
 
         fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
         for key, points in self.history.items():
-            ax = ax_loss if "loss" in key or "mse" in key else ax_acc
+            ax = ax_loss if any(k in key for k in ("loss", "mse", "objective")) else ax_acc
             ax.plot(*zip(*points), marker="o", markersize=2.5, label=key)
         for ax, title in ((ax_loss, "loss"), (ax_acc, "global model: accuracy / AUC")):
             ax.set_xlabel("round")

@@ -1,40 +1,60 @@
-"""The composite objective of the global model: ``F(w) = (1/N) sum_i f_i(w) + h(w)``, logged at every validation.
+r"""The composite training objective of the global model, :math:`F(w) = \frac1N \sum_i f_i(w) + h(w)`, per round.
 
-Federated composite optimisation (pFedFBE digest ``shared/papers/pfedfbe.md`` §1.1; FedMiD, FedDualAvg): ``f_i`` is
-the task's loss averaged over client ``i``'s training rows (a mean, not the paper's sum over rows: §5 item 10 and
-``task=half_mse``), averaged over the ``N`` clients with equal weights as the paper's ``1/N``; ``h`` is the
-algorithm's regulariser (``algo.regularizer``, :mod:`flx.regularizers`). Logged as ``{split}/objective``,
-``{split}/smooth`` (the mean of the ``f_i``) and ``{split}/regularizer`` (``h(w)``). Every rank computes the same
-numbers from the whole training store, with no collective (cheap for the convex models it is meant for; a full pass
-over the training rows for a network).
+Federated composite optimisation (pFedFBE, digest ``shared/papers/pfedfbe.md`` §1.1; FedMiD / FedDualAvg, Yuan,
+Zaheer, Reddi, ICML 2021) minimises
+
+.. math::
+    F(w) = \frac{1}{N} \sum_{i=1}^{N} f_i(w) + h(w), \qquad
+    \texttt{train/h} = h(w^{t+1}), \qquad \texttt{train/objective} = F(w^{t+1})
+
+with :math:`f_i` client :math:`i`'s task loss on its full training rows (:func:`client_train_losses`, unweighted over
+clients as in the paper's Eq. 1) and :math:`h` the regulariser given here (:func:`flx.regularizers.make_regularizer`),
+measured on every validated round after the round's update. The regulariser is the one the objective is defined
+with, not the one the algorithm trains with: FedAvg (no :math:`h` in its steps) is scored on the same :math:`F`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flx.callbacks.logged import LoggedMetrics
-from flx.regularizers import make_regularizer
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from flx.callbacks.client_loss import client_train_losses
+from flx.hooks import FederatedCallback
+from flx.regularizers import Regularizer, make_regularizer
+
+if TYPE_CHECKING:
+    from flx.federation import Federation
 
 
-class Objective(LoggedMetrics):
-    """Logs ``F(w) = (1/N) sum_i f_i(w) + h(w)`` of the global model (see the module docstring).
+@torch.no_grad()
+def composite_objective(fed: Federation, h: Regularizer) -> tuple[float, float]:
+    """``(mean_i f_i(w), h(w))`` of the net's current model; ``h`` bound to ``fed.net``. Call it on every rank."""
+    value = float(h.value([p.detach().double() for p in fed.params]))
+    return float(client_train_losses(fed).mean()), value
+
+
+class Objective(FederatedCallback):
+    """Logs ``train/h`` and ``train/objective`` (see the module docstring).
 
     Args:
-        regularizer: the ``algo.regularizer`` config (``null``: ``h = 0``).
+        regularizer: the ``algo.regularizer`` mapping of :math:`h` (``name``, ``mu``, ``params``, options).
     """
 
     def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
-        self.reg = make_regularizer(regularizer)
+        self.h = make_regularizer(regularizer)
         self.bound = False
 
-    def values(self, fed: Any) -> dict[str, float]:
-        """``objective``, ``smooth`` and ``regularizer`` of the net's current model."""
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fed = getattr(pl_module, "federation", None)
+        if trainer.sanity_checking or fed is None or fed.rnd is None:
+            return
         if not self.bound:
-            self.reg.bind(fed.net)
+            self.h.bind(fed.net)
             self.bound = True
-        clients = [rows for rows in fed.data.client_indices if len(rows)]
-        smooth = sum(fed.eval_loss(rows) for rows in clients) / len(clients)
-        h = float(self.reg.value(fed.params))
-        return {"objective": smooth + h, "smooth": smooth, "regularizer": h}
+        f, h = composite_objective(fed, self.h)
+        pl_module.log_dict({"train/h": h, "train/objective": f + h}, sync_dist=True)
