@@ -68,14 +68,29 @@ def test_a_client_never_sampled_is_evaluated_with_the_global_model() -> None:
 
 
 class _Picks(FederatedCallback):
+    """Another part that chooses the minibatches: rows ``step, step + 1, step + 2`` of client 0 at step ``step``."""
+
     def sample_batch(self, fed, client):
-        return None
+        return fed.data.client_indices[client.cid][client.step : client.step + 3]
 
 
-def test_bad_options_and_a_minibatch_picker_stop_with_one_line() -> None:
+def test_personal_steps_use_the_rows_another_part_chose() -> None:
+    """v_i steps on the step's rows (``client.rows``) whichever part chose them: one round, K = 3, by hand."""
+    lam, eta = 0.5, 0.1
+    data = regression([7])
+    fed = _fed(data, [_Picks(), Ditto(lam=lam)], clients_per_round=1)
+    v = wt = flat(fed.params)
+    run_rounds(fed, 1)
+    for k in range(3):
+        rows = torch.arange(k, k + 3)
+        v = v - eta * (grad(data.x[rows], data.y[rows], v) + lam * (v - wt))
+    with fed.personalize(0):
+        torch.testing.assert_close(flat(fed.params), v, rtol=0, atol=1e-12)
+
+
+def test_bad_options_stop_with_one_line() -> None:
     raises_one_line(Ditto, lam=-1.0, match="algo.lam")
     raises_one_line(Ditto, personal_lr=0.0, match="algo.personal_lr")
-    raises_one_line(_fed, regression([4]), [_Picks(), Ditto()], match="algo.parts")
 
 
 def test_resumed_equals_uninterrupted() -> None:

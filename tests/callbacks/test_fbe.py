@@ -186,8 +186,10 @@ def test_two_ranks_equal_one_rank_with_one_collective_per_round() -> None:
 
 # ---------------------------------------------------------------------- checks
 class _Picks(FederatedCallback):
+    """Another part that chooses the minibatches: rows ``step, step + 1, step + 2`` of client 0 at step ``step``."""
+
     def sample_batch(self, fed, client):
-        return None
+        return fed.data.client_indices[client.cid][client.step : client.step + 3]
 
 
 @pytest.mark.parametrize(
@@ -205,10 +207,19 @@ def test_bad_options_stop_with_one_line(kwargs: dict, key: str) -> None:
     raises_one_line(FBE, match=key, **kwargs)
 
 
-def test_same_batch_refuses_another_part_that_picks_the_minibatches() -> None:
-    data = regression([4])
-    raises_one_line(_fed, data, [_Picks(), FBE(hessian_batch="same")], match="algo.hessian_batch")
-    _fed(data, [_Picks(), FBE(hessian_batch="independent")])  # D_hat does not need the step's rows
+def test_same_batch_uses_the_rows_another_part_chose() -> None:
+    """With ``hessian_batch=same``, D_hat is whatever D the step used (``client.rows``), also when another part chose
+    it: three steps on rows {k, k+1, k+2} of a 9-row client, by hand."""
+    lam, eta, mu = 3.0, 0.05, 0.2
+    data = regression([9])
+    fed = _fed(data, [_Picks(), FBE(lam=lam, hessian_batch="same", regularizer=l1(mu))], lr=eta, local_steps=3)
+    w = flat(fed.params)
+    run_rounds(fed, 1)
+    for k in range(3):
+        rows = torch.arange(k, k + 3)
+        u = w - prox(w - grad(data.x[rows], data.y[rows], w) / lam, mu / lam)
+        w = w - eta * (lam * u - hess(data.x[rows]) @ u)
+    torch.testing.assert_close(flat(fed.params), w, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------- composition (issue item 9)

@@ -20,7 +20,6 @@ Symbols: ``lam`` (:math:`\lambda`), ``personal_lr`` (:math:`\eta_v`, default ``a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,7 @@ if TYPE_CHECKING:
     from flx.federation import Federation
 
 _V = "ditto/v/"  # client.state keys: _V + index into fed.params
-_STREAM, _ROWS, _VK = "ditto/stream", "ditto/rows", "ditto/v"
+_VK = "ditto/v"
 
 
 @dataclass(frozen=True)
@@ -65,29 +64,18 @@ class Ditto(FederatedCallback):
     @override
     def on_attach(self, fed: Federation) -> None:
         self.reg.bind(fed.net)
-        others = [type(q).__name__ for q in fed.parts_with("sample_batch") if q is not self]
-        if others:
-            raise bad_value("algo.parts", others[0], "chooses the minibatches, and Ditto steps v_i on the step's rows")
 
     @override
     def on_client_start(self, fed: Federation, client: ClientContext) -> None:
-        # the core hands parts the step's (x, y), not its rows, and fed.grad_at takes rows: this part owns the default
-        # minibatch stream (fed.client_batches: the batches the core would draw) and records each step's rows
-        client.extras[_STREAM] = fed.client_batches(client)
         v = from_state(client.state, _V, len(fed.params))
         client.extras[_VK] = v if v is not None else [t.clone() for t in fed.global_params]
-
-    @override
-    def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor:
-        stream: Iterator[Tensor] = client.extras[_STREAM]
-        client.extras[_ROWS] = rows = next(stream)
-        return rows
 
     @override
     def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
         lr = self.params.personal_lr or fed.cfg.lr
         v: list[Tensor] = client.extras[_VK]
-        step = fed.grad_at(v, client.extras.pop(_ROWS))
+        assert client.rows is not None, "on_local_step_end runs inside a local step"
+        step = fed.grad_at(v, client.rows)  # v_i steps on the rows w_i just stepped on, whichever part chose them
         torch._foreach_add_(step, torch._foreach_sub(v, fed.global_params), alpha=self.params.lam)
         client.extras[_VK] = self.reg.prox(torch._foreach_add(v, step, alpha=-lr), lr)
 

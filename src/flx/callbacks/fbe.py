@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 HESSIAN_BATCHES = ("independent", "same")
 _HAT_TAG, _PERSONAL_TAG = 0xFBE1, 0xFBE2
-_STREAM, _ROWS, _HAT = "fbe/stream", "fbe/rows", "fbe/hat_generator"
+_HAT = "fbe/hat_generator"
 
 
 def as_regularizer(regularizer: Regularizer | Mapping[str, Any] | None) -> Regularizer:
@@ -170,41 +170,22 @@ class FBE(FederatedCallback):
                 raise bad_value(f"algo.{key}", getattr(p, key), ">= 1, or null")
         self.reg = as_regularizer(regularizer)
 
-    @property
-    def _same_rows(self) -> bool:
-        """Whether the Hessian batch is the step's own minibatch (then this part owns the minibatch stream)."""
-        return self.params.hessian != "none" and self.params.hessian_batch == "same"
-
     @override
     def on_attach(self, fed: Federation) -> None:
         self.reg.bind(fed.net)
-        others = [type(q).__name__ for q in fed.parts_with("sample_batch") if q is not self]
-        if self._same_rows and others:
-            why = f"the Hessian needs the step's rows, but {others[0]} chooses the minibatches; use independent"
-            raise bad_value("algo.hessian_batch", "same", why)
 
     @override
     def on_client_start(self, fed: Federation, client: ClientContext) -> None:
-        # the core hands parts the step's (x, y), not its rows, and fed.hvp takes rows: with `same` this part owns the
-        # default stream (fed.client_batches, the minibatches the core would draw) and records each step's rows
-        if self._same_rows:
-            client.extras[_STREAM] = fed.client_batches(client)
-        elif self.params.hessian != "none":
+        if self.params.hessian != "none" and self.params.hessian_batch == "independent":
             seed = derive_seed(fed.cfg.seed, client.round.round, client.cid, client.copy, _HAT_TAG)
             client.extras[_HAT] = torch.Generator().manual_seed(seed)
 
-    @override
-    def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor | None:
-        stream: Iterator[Tensor] | None = client.extras.get(_STREAM)
-        if stream is None:
-            return None
-        client.extras[_ROWS] = rows = next(stream)
-        return rows
-
     def _hessian_rows(self, fed: Federation, client: ClientContext) -> Tensor:
-        """:math:`\\hat D`: the step's rows (``same``) or ``hessian_batch_size`` rows drawn without replacement."""
+        """:math:`\\hat D`: the step's rows (``same``, whichever part chose them) or ``hessian_batch_size`` rows drawn
+        without replacement."""
         if self.params.hessian_batch == "same":
-            return client.extras.pop(_ROWS)
+            assert client.rows is not None, "on_local_grad runs inside a local step"
+            return client.rows
         rows = fed.data.client_indices[client.cid]
         size = self.params.hessian_batch_size or fed.cfg.batch_size
         if size >= len(rows):
