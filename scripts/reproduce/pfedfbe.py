@@ -3,6 +3,7 @@
     .venv/bin/python scripts/reproduce/pfedfbe.py                        # every setting, 3 seeds, the paper's rounds
     .venv/bin/python scripts/reproduce/pfedfbe.py --quick                # 1 seed, few rounds (smoke)
     .venv/bin/python scripts/reproduce/pfedfbe.py --seeds 0 --rounds 50 --settings lasso2 matrix
+    .venv/bin/python scripts/reproduce/pfedfbe.py --seeds 0 --rounds 1000 --methods pFedFBE FedMiD   # longer runs
 
 Settings (`--settings`): `lasso1`, `lasso2` (federated Lasso (I) and (II), §4.1), `matrix` (matrix completion, §4.2)
 and `mnist` (the MLP with a nonsmooth l2 norm on its weights, §4.3, on the embedded 8x8 digits; `--set data=mnist`
@@ -149,6 +150,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds for every setting (default: the paper's)")
     parser.add_argument("--seeds", type=int, nargs="*", default=None)
     parser.add_argument("--settings", nargs="*", choices=sorted(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--methods", nargs="*", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--out", default=None, help="folder for the table and the plots")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     args = parser.parse_args(argv)
@@ -166,7 +168,7 @@ def main(argv: list[str]) -> None:
         cols = columns(setting)
         rows, curves = [], {}
         for method, (_, _, where) in METHODS.items():
-            if setting not in where:
+            if setting not in where or method not in args.methods:
                 continue
             results = []
             for seed in seeds:
