@@ -168,9 +168,15 @@ def _check_partition(cfg: DictConfig) -> None:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         raise ConfigError(f"partition: {one_line(e)}") from None
-    if cfg.algo.clients_per_round > part.num_clients:  # partition=from_file: the count comes from the file
-        why = f"must be <= the number of clients ({part.num_clients})"
+    train = getattr(part, "num_train_clients", part.num_clients)  # few_shot: the held-out clients never train
+    if not _every_client(cfg) and cfg.algo.clients_per_round > train:  # from_file: the count comes from the file
+        why = f"must be <= the number of training clients ({train})"
         raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, why)
+
+
+def _every_client(cfg: DictConfig) -> bool:
+    """``algo.clients_per_round=all``: every training client in every round."""
+    return cfg.algo.get("clients_per_round") == "all"
 
 
 _NOISE = ("full_key:", "object_type=", "Set the environment variable HYDRA_FULL_ERROR")
@@ -215,7 +221,7 @@ def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    for key in ("algo.rounds", "algo.clients_per_round", "algo.batch_size"):
+    for key in ("algo.rounds", "algo.batch_size", *(() if _every_client(cfg) else ("algo.clients_per_round",))):
         _int(cfg, key, 1)
     _int(cfg, "algo.local_steps", 0)  # 0 only with a part that replaces the local steps: checked in run.build
     if cfg.algo.get("local_epochs") is not None:
@@ -236,7 +242,7 @@ def _check_algo(cfg: DictConfig) -> None:
     if cfg.partition.get("num_clients") is None and "path" in cfg.partition.keys():
         return  # partition=from_file takes the count from its file: checked when the partitioner is built
     _int(cfg, "partition.num_clients", 1)
-    if cfg.algo.clients_per_round > cfg.partition.num_clients:
+    if not _every_client(cfg) and cfg.algo.clients_per_round > cfg.partition.num_clients:
         raise bad_value(
             "algo.clients_per_round",
             cfg.algo.clients_per_round,
@@ -265,7 +271,7 @@ def _check_trainer(cfg: DictConfig) -> None:
     world = _world_size(cfg)
     if world > 1 and strategy == "auto":
         raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")
-    if cfg.algo.clients_per_round < world:
+    if not _every_client(cfg) and cfg.algo.clients_per_round < world:
         raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, f"must be >= the world size ({world})")
 
 

@@ -101,8 +101,12 @@ class ClientContext:
 
 
 class ClientData:
-    """What the federation needs from the data: one tensor store and per-client index views."""
+    """What the federation needs from the data: one tensor store and per-client index views; the first
+    ``num_train_clients`` clients train, the others are evaluation-only; ``client_support``: each client's support rows
+    (few-shot tasks) or ``None`` (``flx.datamodules.datamodule.ClientStore``)."""
 
     x: Tensor
     y: Tensor
     client_indices: list[Tensor]
+    num_train_clients: int
+    client_support: list[Tensor] | None

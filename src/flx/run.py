@@ -50,10 +50,15 @@ for _name in ("lightning.pytorch", "lightning.fabric"):
             _handler.setStream(sys.stdout)
 
 
-def federation_config(cfg: DictConfig) -> FederationConfig:
+def federation_config(cfg: DictConfig, num_train_clients: int | None = None) -> FederationConfig:
     """``FederationConfig`` from ``algo.*`` (every field of that name; missing keys keep the field's default), with
-    ``seed`` and ``fault.policy`` from the top level. Numbers are cast to the fields' types (``lr: 1`` is 1.0)."""
+    ``seed`` and ``fault.policy`` from the top level. Numbers are cast to the fields' types (``lr: 1`` is 1.0);
+    ``algo.clients_per_round=all`` becomes ``num_train_clients``."""
     algo = OmegaConf.to_container(cfg.algo, resolve=True)
+    if algo.get("clients_per_round") == "all":
+        if num_train_clients is None:
+            raise ValueError("algo.clients_per_round=all needs the number of training clients")
+        algo["clients_per_round"] = num_train_clients
     values: dict[str, Any] = {f.name: algo[f.name] for f in dataclasses.fields(FederationConfig) if f.name in algo}
     for f in dataclasses.fields(FederationConfig):
         if f.name in values and f.type in ("float", "float | None") and values[f.name] is not None:
@@ -119,7 +124,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes, outputs)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
-    fed = Federation(federation_config(cfg), store)
+    fed = Federation(federation_config(cfg, dm.clients.num_train_clients), store)
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg), task=task)
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:

@@ -113,7 +113,7 @@ class Codasca(FederatedCallback):
         st, n = self.state, self._numel(fed)
         if not st:
             like = fed.params[0]
-            rows = torch.cat(list(fed.data.client_indices))
+            rows = torch.cat(list(fed.data.client_indices[: fed.num_clients]))  # the training clients
             ratio = self.params.p if self.params.p is not None else float((fed.data.y[rows] == 1).double().mean())
             if not 0 < ratio < 1:
                 raise RuntimeError(f"CODASCA: the training set has positive ratio {ratio}; it needs both classes")

@@ -171,7 +171,7 @@ class PassiveBuffer(FederatedCallback):
     @torch.no_grad()
     def _initial_pool(self, fed: Federation) -> dict[str, Tensor]:
         """``H^0``: scores of every training sample under ``w^0`` (identical on every rank, no collective)."""
-        rows = torch.cat(list(fed.data.client_indices))
+        rows = torch.cat(list(fed.data.client_indices[: fed.num_clients]))  # the training clients
         scores = torch.cat([self.score(fed.net(fed.data.x[r])) for r in rows.split(4096)]).cpu()
         pos = fed.data.y[rows].cpu() == 1
         return {"pos": scores[pos], "u": torch.full((int(pos.sum()),), self.params.u0), "neg": scores[~pos]}
@@ -191,7 +191,7 @@ class PassiveBuffer(FederatedCallback):
         scores: dict[str, list[Tensor]] = {"pos": [], "neg": []}
         fed.net.train()
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout off the global stream
-            for cid, rows in enumerate(fed.data.client_indices):
+            for cid, rows in enumerate(fed.data.client_indices[: fed.num_clients]):
                 seed = derive_seed(fed.cfg.seed, 0, cid, _H0_TAG)
                 gen.manual_seed(seed)
                 torch.manual_seed(seed)

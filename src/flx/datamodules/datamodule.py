@@ -50,10 +50,24 @@ class TensorBatches:
 
 
 class ClientStore:
-    """The federation's view of the training data: the store tensors and each client's row indices."""
+    """The federation's view of the training data: the store tensors and each client's row indices.
 
-    def __init__(self, x: Tensor, y: Tensor, client_indices: list[Tensor]) -> None:
+    ``num_train_clients``: the clients that train, the first ones (default: all); the others are evaluation-only
+    (held-out few-shot clients, :mod:`flx.datamodules.few_shot`): their rows are what a personalised model adapts on.
+    ``client_support``: each client's support rows, a subset of its rows (few-shot tasks), or ``None``.
+    """
+
+    def __init__(
+        self,
+        x: Tensor,
+        y: Tensor,
+        client_indices: list[Tensor],
+        num_train_clients: int | None = None,
+        client_support: list[Tensor] | None = None,
+    ) -> None:
         self.x, self.y, self.client_indices = x, y, client_indices
+        self.num_train_clients = len(client_indices) if num_train_clients is None else num_train_clients
+        self.client_support = client_support
 
     def to(self, device: torch.device, dtype: torch.dtype) -> ClientStore:
         """Moves the store to ``device``; float inputs and real-valued targets are cast to ``dtype`` (once, not per
@@ -115,7 +129,10 @@ class FederatedDataModule(pl.LightningDataModule):
         d = self.data
         self._client_rows = {"test": self._client_test_rows(d.y_test, d.groups_test)}
         self._client_rows["val"] = self._global_rows(d.y_val, d.groups_val) if d.num_val else []
-        self.clients = ClientStore(self.data.x_train, self.data.y_train, self.client_train)
+        support = None if self.split.support is None else [torch.as_tensor(a) for a in self.split.support]
+        self.clients = ClientStore(
+            self.data.x_train, self.data.y_train, self.client_train, self.split.num_train_clients, support
+        )
 
     def _client_pool_size(self) -> int:
         """The client-side training rows (the partitioner's input), checked to leave a row for every client."""
