@@ -91,8 +91,9 @@ class FewShot(Partitioner):
         return ClientSplit(train=train, test=test, support=support, num_heldout=self.num_heldout)
 
     def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
-        """Each client: ``k`` distinct random classes, ``D_i ~ U(M, 2M)`` rows split about evenly over them (the first
-        ``D_i mod k`` classes get one more), drawn without replacement from what earlier clients left."""
+        """Each client: ``D_i ~ U(M, 2M)`` rows of ``k`` distinct random classes, split about evenly over them (the
+        first ``D_i mod k`` classes get one more), drawn without replacement from what earlier clients left; the
+        classes are drawn among those with enough rows left (all of them until a class runs low)."""
         by_class = group_by_class(labels, rng)
         num_classes, k, m = len(by_class.counts), self.classes_per_client, self.samples_min
         if k > num_classes:
@@ -101,14 +102,16 @@ class FewShot(Partitioner):
         starts = np.concatenate([[0], np.cumsum(by_class.counts)[:-1]])
         used = np.zeros(num_classes, dtype=np.int64)
         parts = []
-        for _ in range(self.num_clients):
-            classes, size = rng.choice(num_classes, size=k, replace=False), int(rng.integers(m, 2 * m + 1))
+        for cid in range(self.num_clients):
+            size = int(rng.integers(m, 2 * m + 1))
+            share = size // k + 1  # the most rows one class gives this client
+            open_ = np.flatnonzero(by_class.counts - used >= share)
+            if len(open_) < k:
+                why = f"client {cid} finds fewer than {k} classes with {share} rows left; use fewer clients or lower M"
+                raise bad_value("partition.num_clients", self.num_clients, why)
             rows = []
-            for j, c in enumerate(classes):
+            for j, c in enumerate(rng.choice(open_, size=k, replace=False)):
                 take = size // k + (j < size % k)
-                if used[c] + take > by_class.counts[c]:
-                    why = f"class {by_class.values[c]} has {by_class.counts[c]} rows, too few for the clients drawn"
-                    raise bad_value("partition.num_clients", self.num_clients, f"{why}; use fewer clients or lower M")
                 rows.append(by_class.order[starts[c] + used[c] : starts[c] + used[c] + take])
                 used[c] += take
             parts.append(np.sort(np.concatenate(rows)).astype(np.int64))
