@@ -117,6 +117,9 @@ class MLP(nn.Module):
         num_classes: number of output logits.
         hidden: widths of the hidden layers (an empty sequence gives logistic regression).
         dropout: dropout probability after each hidden ReLU, in ``[0, 1)``; 0 adds no dropout layer.
+
+    Attributes:
+        feat_dim: width of :meth:`features`: the last hidden width (``prod(input_shape)`` without hidden layers).
     """
 
     def __init__(
@@ -144,6 +147,17 @@ class MLP(nn.Module):
             in_features = width
         layers.append(nn.Linear(in_features, self.num_classes))
         self.net = nn.Sequential(*layers)
+        self.feat_dim = in_features
+
+    @property
+    def head(self) -> nn.Linear:
+        """The last ``Linear(feat_dim -> num_classes)`` (a view of ``net[-1]``: no new state_dict key)."""
+        return self.net[-1]
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate features ``(B, feat_dim)``: the last hidden layer's activations (after its dropout), or
+        the flattened input without hidden layers; ``forward(x) == head(features(x))``."""
+        return self.net[:-1](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(B, *input_shape)`` to logits ``(B, num_classes)``."""
@@ -163,6 +177,11 @@ class CNN(nn.Module):
         num_classes: number of output logits.
         channels: output channels of the convolution blocks.
         hidden: width of the fully connected layer before the head.
+
+    Attributes:
+        features: the convolution blocks, ``(B, C, H, W) -> (B, C', H', W')`` (a submodule: its name is in the
+            state_dict keys, ``features.0.weight``, so the penultimate features are :meth:`pre_logits`).
+        feat_dim: width of :meth:`pre_logits`, ``hidden``.
 
     Raises:
         ConfigError: if the input is not an image, or is too small for the number of pooling steps.
@@ -200,6 +219,19 @@ class CNN(nn.Module):
             nn.ReLU(inplace=True),
             nn.Linear(hidden, self.num_classes),  # (B, hidden) -> (B, K)
         )
+        self.feat_dim = hidden
+
+    @property
+    def head(self) -> nn.Linear:
+        """The last ``Linear(hidden -> num_classes)`` (a view of ``classifier[-1]``: no new state_dict key)."""
+        return self.classifier[-1]
+
+    def pre_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The penultimate features ``(B, hidden)``, after the hidden layer's ReLU.
+
+        ``forward(x) == head(pre_logits(x))``.
+        """
+        return self.classifier[:-1](self.features(x))
 
     @staticmethod
     def flat_features(input_shape: tuple[int, ...], channels: tuple[int, ...]) -> int:

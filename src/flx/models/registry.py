@@ -1,6 +1,7 @@
 """Name -> constructor registry for networks, in the style of timm's model registry.
 
-Built-in entries are ``linear``, ``logreg``, ``mlp``, ``cnn`` and ``timm``. Add your own with :func:`register`::
+Built-in entries are ``linear``, ``logreg``, ``mlp``, ``cnn``, ``resnet_cifar`` and ``timm``. Add your own with
+:func:`register`::
 
     @register("my_net")
     def my_net(*, input_shape, num_classes, width=64) -> nn.Module: ...
@@ -18,6 +19,7 @@ from torch import nn
 
 from flx.errors import bad_value
 from flx.models.nets import CNN, MLP, Linear, LogisticRegression
+from flx.models.resnet_cifar import ResNetCIFAR
 from flx.models.timm_factory import timm_net
 
 __all__ = ["NETS", "build_net", "register"]
@@ -96,4 +98,5 @@ register("linear")(Linear)
 register("logreg")(LogisticRegression)
 register("mlp")(MLP)
 register("cnn")(CNN)
+register("resnet_cifar")(ResNetCIFAR)
 register("timm")(timm_net)
