@@ -57,17 +57,32 @@ def _leaves(params: Sequence[Tensor]) -> list[Tensor]:
     return [p if p.requires_grad else p.detach().requires_grad_(True) for p in params]
 
 
-def _grad(
+def _value_and_grad(
     net: nn.Module, w: list[Tensor], batch: Sequence[Tensor], loss_fn: LossFn, create_graph: bool
-) -> list[Tensor]:
-    r""":math:`\nabla f(w)` by ``functional_call``; ``w`` requires grad; no RNG protection (callers fork)."""
+) -> tuple[Tensor, list[Tensor]]:
+    r""":math:`f(w)` (detached) and :math:`\nabla f(w)` by ``functional_call``; ``w`` requires grad; no RNG
+    protection (callers fork)."""
     names = [name for name, p in net.named_parameters() if p.requires_grad]
     if len(names) != len(w):
         raise ValueError(f"got {len(w)} tensors for the net's {len(names)} trainable parameters")
     buffers = {name: b.clone() for name, b in net.named_buffers()}  # BN statistics update the clones
     x, y = batch[0], batch[1]
     loss = loss_fn(functional_call(net, (dict(zip(names, w)), buffers), (x,)), y)
-    return list(torch.autograd.grad(loss, w, create_graph=create_graph, materialize_grads=True))
+    return loss.detach(), list(torch.autograd.grad(loss, w, create_graph=create_graph, materialize_grads=True))
+
+
+def _grad(
+    net: nn.Module, w: list[Tensor], batch: Sequence[Tensor], loss_fn: LossFn, create_graph: bool
+) -> list[Tensor]:
+    return _value_and_grad(net, w, batch, loss_fn, create_graph)[1]
+
+
+def value_and_grad_at(
+    net: nn.Module, params: Sequence[Tensor], batch: Sequence[Tensor], loss_fn: LossFn
+) -> tuple[Tensor, list[Tensor]]:
+    """The loss (detached scalar) and :func:`grad_at` of one forward and backward pass, with its guarantees."""
+    with _same_rng(params):
+        return _value_and_grad(net, _leaves(params), batch, loss_fn, False)
 
 
 def grad_at(

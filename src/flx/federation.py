@@ -393,6 +393,11 @@ class Federation:
         with self.step_context():
             return autodiff.grad_at(self.net, params, self.batch(rows), self.loss_fn, create_graph=create_graph)
 
+    def value_and_grad_at(self, params: Sequence[Tensor], rows: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The loss (detached) and :meth:`grad_at` of ``rows`` at ``params``, from one forward and backward pass."""
+        with self.step_context():
+            return autodiff.value_and_grad_at(self.net, params, self.batch(rows), self.loss_fn)
+
     def hvp(
         self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Sequence[Tensor] | None = None, **kw: Any
     ) -> list[Tensor]:

@@ -1,0 +1,71 @@
+r"""Fast adaptation at evaluation: a client's personalised model is ``steps`` gradient steps from the global model on
+its support rows.
+
+The evaluation of federated meta-learning (AugFL, Yue et al., Algorithm 1 step 4 and §VI-A; Per-FedAvg, Fallah,
+Mokhtari, Ozdaglar, NeurIPS 2020; digest ``shared/papers/augfl.md`` §2.3, §4 "Metric") and FedAvg's local fine-tuning
+baseline: from the global (meta-)model :math:`\theta`, client :math:`i`'s model is
+
+.. math::
+    \phi_i^{(0)} = \theta, \qquad \phi_i^{(k+1)} = \phi_i^{(k)} - \alpha \nabla L_i(\phi_i^{(k)}; S_i),
+    \quad k < K,
+
+full batch on its support set :math:`S_i` (``fed.support_rows``: a few-shot client's support set, a held-out client's
+rows; every row of a client without a support/query split), and it is measured on the client's evaluation rows (the
+held-out clients' query sets with ``partition=few_shot``). ``steps`` is :math:`K` (1 in the paper), ``lr`` is
+:math:`\alpha` (AugFL: its inner step). Gradients are taken in the net's train mode (``fed.grad_at``: BatchNorm with the
+batch statistics, its running statistics untouched); the evaluation then runs in eval mode.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+
+from flx.errors import bad_value
+from flx.hooks import FederatedCallback
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from flx.federation import Federation
+
+
+@dataclass(frozen=True)
+class AdaptParams:
+    """``steps`` (:math:`K`), ``lr`` (:math:`\\alpha`)."""
+
+    steps: int = 1
+    lr: float = 0.03
+
+
+class Adapt(FederatedCallback):
+    """``personalize``: ``steps`` full-batch gradient steps of size ``lr`` on the client's support rows."""
+
+    def __init__(self, **params: Any) -> None:
+        self.params = p = AdaptParams(**params)
+        if p.steps < 0:
+            raise bad_value("algo.adapt_steps", p.steps, ">= 0 (0: the global model)")
+        if not p.lr > 0:
+            raise bad_value("algo.adapt_lr", p.lr, "> 0")
+
+    @override
+    def personalize(self, fed: Federation, cid: int) -> Any:
+        rows = fed.support_rows(cid)
+        return self._adapted(fed, rows) if len(rows) and self.params.steps else None
+
+    @contextmanager
+    def _adapted(self, fed: Federation, rows: torch.Tensor) -> Iterator[None]:
+        """The net as :math:`\\phi_i^{(K)}`; the federation restores :math:`\\theta` on exit."""
+        was_training = fed.net.training
+        fed.net.train()
+        phi = [q.detach() for q in fed.params]
+        for _ in range(self.params.steps):
+            phi = torch._foreach_add(phi, fed.grad_at(phi, rows), alpha=-self.params.lr)
+        fed.net.train(was_training)
+        with torch.no_grad():
+            torch._foreach_copy_(fed.params, phi)
+        yield
