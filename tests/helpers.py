@@ -40,11 +40,21 @@ def make_fed(
     reduce_sum: Callable[[Tensor], Tensor] | None = None,
     gather: Callable[[object], list[object]] | None = None,
     broadcast: Callable[[object], object] | None = None,
+    server: object = None,
     **cfg: object,
 ) -> Federation:
     fed = Federation(FederationConfig(**cfg))
     fed.attach(
-        net, data, loss_fn, parts, reduce_sum, rank=rank, world_size=world_size, gather=gather, broadcast=broadcast
+        net,
+        data,
+        loss_fn,
+        parts,
+        reduce_sum,
+        rank=rank,
+        world_size=world_size,
+        gather=gather,
+        broadcast=broadcast,
+        server=server,
     )
     return fed
 
