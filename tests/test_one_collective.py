@@ -26,11 +26,15 @@ from flx.callbacks.codasca import Codasca
 from flx.callbacks.ditto import Ditto
 from flx.callbacks.fbe import FBE
 from flx.callbacks.lambda_sampling import LambdaSampling
+from flx.callbacks.meta_update import MetaUpdate
 from flx.callbacks.passive_buffer import PassiveBuffer
 from flx.callbacks.pfedme import PFedMe
+from flx.callbacks.pm_regularizer import PMRegularizer
 from flx.callbacks.prox_step import DualAveraging, ProxStep
 from flx.callbacks.qffl import QFFL
+from flx.datamodules.datamodule import ClientStore
 from flx.federation import Federation
+from flx.resources import ServerResources
 
 ROUNDS, TIMEOUT_S = 3, 60.0
 
@@ -67,6 +71,9 @@ class Group:
 
     def gather(self, rank: int) -> Callable[[Any], list[Any]]:
         return lambda obj: self.collective(rank, "gather", copy.deepcopy(obj), list)
+
+    def broadcast(self, rank: int) -> Callable[[Any], Any]:
+        return lambda obj: self.collective(rank, "broadcast", copy.deepcopy(obj), lambda objs: objs[0])
 
     def run(self, jobs: list[Callable[[], None]]) -> None:
         """Runs ``jobs[r]`` as rank ``r``; re-raises the first error."""
@@ -128,7 +135,15 @@ CASES: dict[str, tuple[Callable[[], list], bool, dict, int, int]] = {
     "pfedfbe": (lambda: [FBE(L1, lam=5.0)], False, {"weighting": "uniform"}, 0, 0),
     "pfedme": (lambda: [PFedMe(L1, lam=5.0, personal_lr=0.05)], False, {"weighting": "uniform"}, 1, 0),
     "ditto": (lambda: [Ditto(L1, lam=1.0, personal_lr=0.05)], False, {}, 1, 0),
+    "augfl": (
+        lambda: [MetaUpdate(alpha=0.1, rho=2.0), PMRegularizer(lam=0.5, rh="kd", batch_size=8)],
+        False,
+        {"aggregator": "admm_sum", "local_steps": 0, "weighting": "uniform", "lr": 1.0},
+        1,
+        0,
+    ),
 }
+BROADCASTS = {"augfl": 1}  # the server's R_h gradient: computed on rank 0 (fed.on_server), broadcast
 
 
 def _build(name: str, **kw: Any) -> Federation:
@@ -137,6 +152,13 @@ def _build(name: str, **kw: Any) -> Federation:
         data = binary_store([4, 6, 5, 3, 5], [7, 5, 9, 6, 4], dim=5, seed=1, shift=0.5)
         return make_fed(_net(2), data, parts=parts(), **{**BINARY, **extra, **kw})
     data = toy_data([7, 12, 30, 4, 19, 25], dtype=torch.float64)
+    if name == "augfl":  # support / query sets and a server split (the last client's rows) with a frozen PM
+        rows = data.client_indices
+        data = ClientStore(data.x, data.y, rows[:5], client_support=[r[: len(r) // 2] for r in rows[:5]])
+        pm = _net().requires_grad_(False)
+        with torch.no_grad():
+            torch._foreach_mul_(list(pm.parameters()), 0.5)
+        kw["server"] = ServerResources(rows[5], {"pm": pm})
     return make_fed(_net(), data, parts=parts(), **{**MULTICLASS, **extra, **kw})
 
 
@@ -146,7 +168,17 @@ def _evaluates(name: str) -> bool:
 
 def _two_ranks(name: str) -> tuple[list[Federation], Group, list[list[Tensor]]]:
     group = Group(2)
-    ranks = [_build(name, rank=r, world_size=2, reduce_sum=group.reduce_sum(r), gather=group.gather(r)) for r in (0, 1)]
+    ranks = [
+        _build(
+            name,
+            rank=r,
+            world_size=2,
+            reduce_sum=group.reduce_sum(r),
+            gather=group.gather(r),
+            broadcast=group.broadcast(r),
+        )
+        for r in (0, 1)
+    ]
     losses: list[list[Tensor]] = [[], []]
 
     def job(rank: int) -> Callable[[], None]:
@@ -178,7 +210,8 @@ def test_a_round_is_one_reduce_and_two_ranks_equal_one(name: str) -> None:
             assert counts[(t, "round", "reduce")] == 1, (rank, t, group.log[rank])
             assert counts[(t, "round", "gather")] == gathers, (rank, t, group.log[rank])
             assert counts[(t, "eval", "reduce")] == evals, (rank, t, group.log[rank])
-        assert sum(counts.values()) == ROUNDS * (1 + gathers + evals), group.log[rank]
+            assert counts[(t, "round", "broadcast")] == BROADCASTS.get(name, 0), (rank, t, group.log[rank])
+        assert sum(counts.values()) == ROUNDS * (1 + gathers + evals + BROADCASTS.get(name, 0)), group.log[rank]
 
     single = _build(name)
     single_losses = []

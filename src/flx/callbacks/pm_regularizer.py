@@ -32,7 +32,7 @@ Symbols: ``lam`` (:math:`\lambda`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,9 +124,17 @@ class PMRegularizer(FederatedCallback):
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
         if not self.active:
             return
-        grad = fed.on_server(lambda: [g.cpu() for g in self.gradient(fed, rnd.round)])
+        grad = fed.on_server(lambda: [g.cpu() for g in self._seeded_gradient(fed, rnd.round)])
         scale = self.params.lam / fed.aggregator.total_weight
         torch._foreach_add_(mean[: len(grad)], [g.to(m) for g, m in zip(grad, mean)], alpha=-scale)
+
+    def _seeded_gradient(self, fed: Federation, round_idx: int) -> list[Tensor]:
+        """:meth:`gradient` with the global RNG (dropout) seeded by ``(seed, round)`` and restored afterwards, so the
+        server step is the same on 1 or N processes."""
+        devices = [fed.params[0].device] if fed.params[0].is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(fed.cfg.seed, round_idx, _TAG, 1))
+            return self.gradient(fed, round_idx)
 
     def gradient(self, fed: Federation, round_idx: int) -> list[Tensor]:
         """:math:`G^t` at :math:`\\theta^t` (``fed.global_params``), one tensor per parameter. Loads
@@ -181,7 +189,7 @@ class PMRegularizer(FederatedCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"params": asdict(self.params)}
+        out: dict[str, Any] = {}
         if self.crd is not None:
             out["crd"] = self.crd.state_dict()
             out["head_opt"] = self.head_opt.state_dict()
