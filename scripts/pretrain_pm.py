@@ -14,12 +14,13 @@ run's data protocol): ``data=cifar100 data.server_fraction=0.2`` gives the PM th
 ``torch.save(net.state_dict())`` of the net of ``model=``, read by ``server.models.<name>: {model: <that model
 config>, checkpoint: <file>}`` (:func:`flx.models.frozen.load_frozen`); the script prints that entry.
 
-Training is plain PyTorch: SGD with momentum on the task's loss (softmax cross-entropy), minibatches shuffled each
-epoch, ``--schedule step`` (x0.1 at 5/8, 3/4 and 7/8 of the epochs, or ``--milestones``) or ``cosine`` (per epoch),
-seeded by the config's ``seed``. The defaults are the official code's teacher recipe (digest §6.2: SGD, lr 0.05,
-momentum 0.9, weight decay 5e-4, batch 64, 240 epochs, decay at 150/180/210); its random crop (padding 4) and
-horizontal flip are ``--augment crop_flip`` (off by default: flips are wrong for digits and letters). At the end the
-PM's accuracy on the test split (eval mode) is printed as ``final test_acc=<value>``.
+Training is plain PyTorch (:func:`flx.models.pretrain.fit`, which a run that trains its own PM shares): SGD with
+momentum on the task's loss (softmax cross-entropy), minibatches shuffled each epoch, ``--schedule step`` (x0.1 at 5/8,
+3/4 and 7/8 of the epochs, or ``--milestones``) or ``cosine`` (per epoch), seeded by the config's ``seed``. The defaults
+are the official code's teacher recipe (digest §6.2: SGD, lr 0.05, momentum 0.9, weight decay 5e-4, batch 64, 240
+epochs, decay at 150/180/210); its random crop (padding 4) and horizontal flip are ``--augment crop_flip`` (off by
+default: flips are wrong for digits and letters). At the end the PM's accuracy on the test split (eval mode) is printed
+as ``final test_acc=<value>``.
 
 Refusals, one line on stderr and exit status 2: no server split (``data.server_fraction=0`` and no ``server`` rows in
 a ``data.split_file``), an existing ``--out`` without ``--force``, a task that is not classification, any config error
@@ -31,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -46,19 +45,14 @@ if str(ROOT / "src") not in sys.path:
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from flx.config import data_protocol, precheck
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value, instantiate
-from flx.models import heads
 from flx.models.build import net_from_config
+from flx.models.pretrain import AUGMENTS, SCHEDULES, PretrainParams, accuracy, fit, save_state_dict
 from flx.run import build_task
 from flx.tasks import Classification
-
-SCHEDULES = ("step", "cosine")
-AUGMENTS = ("none", "crop_flip")
-STEP_AT = (5 / 8, 3 / 4, 7 / 8)  # the official recipe's 150, 180, 210 of 240 epochs
 
 
 @dataclass(frozen=True)
@@ -88,17 +82,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def check_options(args: argparse.Namespace) -> None:
-    """Options that argparse's types do not check, and the output file, before anything is loaded."""
-    for key, value, low in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1)):
-        if value < low:
-            raise bad_value(key, value, f"must be an integer >= {low}")
-    if not args.lr > 0 or not 0 <= args.momentum < 1 or not args.weight_decay >= 0:
-        raise ConfigError(f"--lr={args.lr} must be > 0, --momentum={args.momentum} in [0, 1), --weight-decay >= 0")
+def check_options(args: argparse.Namespace) -> PretrainParams:
+    """The training options (checked by :class:`PretrainParams`) and the output file, before anything is loaded."""
+    params = PretrainParams(
+        epochs=args.epochs,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        batch_size=args.batch_size,
+        schedule=args.schedule,
+        milestones=args.milestones,
+        augment=args.augment,
+        key_prefix="--",
+    )
     if args.out.is_dir():
         raise bad_value("--out", str(args.out), "is a folder; name the file to write")
     if args.out.exists() and not args.force:
         raise bad_value("--out", str(args.out), "exists; pass --force to overwrite it")
+    return params
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -137,67 +138,12 @@ def build_net(cfg: DictConfig, dm: FederatedDataModule) -> nn.Module:
     return net_from_config(cfg.model, dm.data.input_shape, dm.data.num_classes)
 
 
-def crop_flip(x: Tensor, gen: torch.Generator, pad: int = 4) -> Tensor:
-    """Random ``pad``-pixel-shift crops (zero padding) and horizontal flips, one per image: ``(B, C, H, W)``."""
-    b, _, h, w = x.shape
-    shift = torch.randint(0, 2 * pad + 1, (2, b, 1), generator=gen).to(x.device)
-    flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
-    rows = shift[0] + torch.arange(h, device=x.device)  # (B, H): rows of the padded image
-    cols = shift[1] + torch.arange(w, device=x.device)  # (B, W)
-    cols = torch.where(flip[:, None], cols.flip(1), cols)
-    padded = nn.functional.pad(x, (pad, pad, pad, pad))  # (B, C, H + 2 pad, W + 2 pad)
-    batch = torch.arange(b, device=x.device)[:, None, None]
-    return padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
-
-
-def schedule(opt: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LRScheduler:
-    """The per-epoch learning-rate schedule."""
-    if args.schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
-    milestones = args.milestones or [round(f * args.epochs) for f in STEP_AT]
-    return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1)
-
-
-def fit(net: nn.Module, x: Tensor, y: Tensor, args: argparse.Namespace, gen: torch.Generator) -> None:
-    """``args.epochs`` epochs of minibatch SGD with momentum on the classification loss of ``(x, y)``."""
-    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    sched = schedule(opt, args)
-    steps = math.ceil(len(y) / args.batch_size)
-    net.train()
-    with tqdm(total=args.epochs * steps, desc="pretrain_pm", unit="step", dynamic_ncols=True, mininterval=1) as bar:
-        for epoch in range(args.epochs):
-            total = torch.zeros((), device=x.device)
-            for idx in torch.randperm(len(y), generator=gen).to(x.device).split(args.batch_size):
-                if len(idx) < 2:  # BatchNorm cannot normalise a single row in train mode
-                    continue
-                xb = crop_flip(x[idx], gen) if args.augment == "crop_flip" else x[idx]
-                loss = heads.classification_loss(net(xb), y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += loss.detach() * len(idx)
-                bar.update()
-            bar.set_postfix(epoch=epoch + 1, loss=f"{total.item() / len(y):.4f}", lr=f"{sched.get_last_lr()[0]:.3g}")
-            sched.step()
-
-
-@torch.no_grad()
-def accuracy(net: nn.Module, x: Tensor, y: Tensor, batch_size: int) -> float:
-    """Accuracy of ``net`` in eval mode on ``(x, y)``, in batches."""
-    net.eval()
-    correct = sum(int((heads.predict(net(xb)) == yb).sum()) for xb, yb in zip(x.split(batch_size), y.split(batch_size)))
-    return correct / max(len(y), 1)
-
-
 def save(net: nn.Module, out: Path, force: bool) -> None:
-    """Writes the net's state_dict (CPU tensors) atomically; never replaces a file that appeared meanwhile."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    torch.save({k: v.detach().cpu() for k, v in net.state_dict().items()}, tmp)
-    if out.exists() and not force:
-        tmp.unlink()
-        raise bad_value("--out", str(out), "appeared while training; pass --force to overwrite it")
-    os.replace(tmp, out)
+    """Writes the net's state_dict atomically; never replaces a file that appeared meanwhile."""
+    try:
+        save_state_dict(net, out, force)
+    except FileExistsError:
+        raise bad_value("--out", str(out), "appeared while training; pass --force to overwrite it") from None
 
 
 def entry(model: DictConfig, out: Path) -> str:
@@ -227,7 +173,7 @@ def device_of(name: str) -> torch.device:
 
 def pretrain(args: argparse.Namespace) -> Result:
     """Composes the config, trains the PM on the server rows, saves it and measures it on the test split."""
-    check_options(args)
+    params = check_options(args)
     device = device_of(args.device)
     cfg = compose(args.overrides)
     if cfg.get("num_threads"):
@@ -237,7 +183,7 @@ def pretrain(args: argparse.Namespace) -> Result:
     dm, rows = server_data(cfg)
     net = build_net(cfg, dm).to(device)
     x, y = dm.data.x_train[rows].to(device), dm.data.y_train[rows].to(device)
-    fit(net, x, y, args, gen)
+    fit(net, x, y, params, gen)
     acc = accuracy(net, dm.data.x_test.to(device), dm.data.y_test.to(device), cfg.data.eval_batch_size)
     save(net, args.out, args.force)
     print(f"saved {args.out} (trained on {len(rows)} server rows); load it in a run with", flush=True)

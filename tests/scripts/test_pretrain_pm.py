@@ -18,6 +18,7 @@ import torch
 
 from flx.config import precheck
 from flx.models.frozen import load_frozen
+from flx.models.pretrain import crop_flip
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_pm.py"
@@ -107,7 +108,7 @@ def test_crop_flip_is_a_shifted_window_of_the_padded_image_then_a_flip() -> None
     """Image b: rows dy..dy+H-1 and columns dx..dx+W-1 of the zero-padded image, mirrored when its flip is drawn;
     the draws are the generator's, in the function's order (shifts (2, B, 1), then flips (B,))."""
     x = torch.randn(6, 2, 5, 7)
-    out = pm.crop_flip(x, torch.Generator().manual_seed(3), pad=2)
+    out = crop_flip(x, torch.Generator().manual_seed(3), pad=2)
     g = torch.Generator().manual_seed(3)
     shift, flip = torch.randint(0, 5, (2, 6, 1), generator=g), torch.rand(6, generator=g) < 0.5
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
