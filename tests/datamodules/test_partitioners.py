@@ -132,7 +132,8 @@ def test_different_seed_different_split(name: str, kwargs: dict[str, Any]) -> No
     assert not same
 
 
-@pytest.mark.parametrize("name", sorted(set(PARTITIONERS) - {"few_shot"}))  # few_shot: tests/datamodules/test_few_shot.py
+# few_shot has no test split of its own: tests/datamodules/test_few_shot.py
+@pytest.mark.parametrize("name", sorted(set(PARTITIONERS) - {"few_shot"}))
 def test_test_fraction_does_not_change_the_client_sets(name: str) -> None:
     kwargs = {"num_clients": 20}
     groups = LABELS % 2  # split by by_group only; every other partitioner ignores it
