@@ -44,7 +44,10 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 from flx.losses.crd import CRD
 from flx.losses.distill import RH_OPTIONS, l2_to_pm_grad, logit_kd
+from flx.models.build import net_from_config
 from flx.models.features import feature_dim, penultimate
+from flx.models.frozen import freeze, pretrained_on
+from flx.models.pretrain import PretrainParams
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
@@ -71,13 +74,19 @@ class PMParams:
     head_momentum: float = 0.9
     head_weight_decay: float = 5e-4
     crd: dict[str, Any] = field(default_factory=dict)  # CRD's feat_dim, num_negatives, temperature, momentum
+    pm_model: dict[str, Any] | None = None  # no server.models.<pm>: the PM's model config, trained on the server rows
+    pretrain: dict[str, Any] = field(default_factory=dict)  # its recipe (flx.models.pretrain.PretrainParams)
+    cache: str | None = None  # where the trained PM is kept (a resumed run reads it back)
 
 
 class PMRegularizer(FederatedCallback):
     """Subtracts :math:`\\lambda G^t / \\sum_i \\rho_i` from the ADMM mean (``on_server_step``)."""
 
     def __init__(self, **params: Any) -> None:
-        params["crd"] = dict(params.get("crd") or {})
+        for key in ("crd", "pretrain"):
+            params[key] = dict(params.get(key) or {})
+        if params.get("pm_model") is not None:
+            params["pm_model"] = dict(params["pm_model"])
         self.params = p = PMParams(**params)
         if not p.lam >= 0:
             raise bad_value("algo.lam", p.lam, "the weight lambda of R_h, >= 0 (0: no PM)")
@@ -88,6 +97,7 @@ class PMRegularizer(FederatedCallback):
         if p.batch_size < 1:
             raise bad_value("algo.kt_batch_size", p.batch_size, ">= 1")
         self.crd: CRD | None = None
+        self.pm_net: nn.Module | None = None
         self.head_opt: torch.optim.Optimizer | None = None
         self._restored: dict[str, Any] | None = None
 
@@ -100,12 +110,12 @@ class PMRegularizer(FederatedCallback):
         if not self.active:
             return
         p, res = self.params, fed.resources
-        if res is None or p.pm not in res.models:
+        if res is None or (p.pm not in res.models and p.pm_model is None):
             why = "no such server model: add server.models.pm (scripts/pretrain_pm.py trains one), or algo.lam=0"
             raise bad_value(f"algo.pm={p.pm}", "missing", why)
-        if p.rh != "l2" and not len(res.rows):
-            raise bad_value("data.server_fraction", 0, f"R_h={p.rh} needs server rows: set a fraction > 0")
-        pm = res.models[p.pm].to(fed.params[0].device)
+        if (p.rh != "l2" or p.pm not in res.models) and not len(res.rows):
+            raise bad_value("data.server_fraction", 0, f"AugFL's R_h={p.rh} needs server rows: set a fraction > 0")
+        self.pm_net = pm = self._load_pm(fed).to(fed.params[0].device)
         if p.rh == "l2":
             l2_to_pm_grad(fed.params, list(pm.parameters()))  # checks the architectures now, not at round 0
         if p.rh == "crd" and self.crd is None:
@@ -115,6 +125,22 @@ class PMRegularizer(FederatedCallback):
             self.crd = CRD(*dims, num_data=len(res.rows), generator=gen, **p.crd).to(fed.params[0])
             self.head_opt = self._sgd(self.crd.parameters())
             self._restore()
+
+    def _load_pm(self, fed: Federation) -> nn.Module:
+        """``server.models.<pm>``, or else a PM of ``pm_model`` trained on the server rows (on rank 0, where the
+        server step runs; the other ranks hold an untrained one of the same shape) and kept in ``cache``."""
+        p, res = self.params, fed.resources
+        if p.pm in res.models:
+            return res.models[p.pm]
+        x, y = fed.batch(res.rows)
+        with torch.no_grad():
+            classes = fed.net.eval()(x[:1]).shape[1]
+        fed.net.train()
+        if fed.rank != 0:
+            return freeze(net_from_config(p.pm_model, x.shape[1:], classes))
+        recipe = PretrainParams(**p.pretrain, key_prefix="algo.pm_pretrain.")
+        seed = derive_seed(fed.cfg.seed, _TAG, 2)
+        return pretrained_on(p.pm_model, x, y, recipe, seed, p.cache, classes)
 
     def _sgd(self, params: Any) -> torch.optim.Optimizer:
         p = self.params
@@ -139,7 +165,7 @@ class PMRegularizer(FederatedCallback):
     def gradient(self, fed: Federation, round_idx: int) -> list[Tensor]:
         """:math:`G^t` at :math:`\\theta^t` (``fed.global_params``), one tensor per parameter. Loads
         :math:`\\theta^t` into the net (the core overwrites the net after the server step)."""
-        p, pm = self.params, fed.resources.models[self.params.pm]
+        p, pm = self.params, self.pm_net
         if p.rh == "l2":
             return l2_to_pm_grad(fed.global_params, list(pm.parameters()))
         with torch.no_grad():

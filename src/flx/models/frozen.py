@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from flx.errors import bad_value, existing_file
 from flx.models.build import net_from_config
+from flx.models.pretrain import PretrainParams, fit, save_state_dict
 
 LIGHTNING_PREFIX = "net."
 """Prefix of the global model's tensors in a flx Lightning checkpoint (``FederatedModule.net``)."""
@@ -57,9 +58,47 @@ def load_frozen(
     state = read_state_dict(file, key, path)
     check_fits(net, state, key, path)
     net.load_state_dict(state)
+    return freeze(net)
+
+
+def freeze(net: nn.Module) -> nn.Module:
+    """``net`` in eval mode for good (a parent's ``.train()`` leaves it in eval mode), no parameter requiring a
+    gradient."""
     net.requires_grad_(False)
     net.train = types.MethodType(_eval_only, net)  # this instance only: the class of the net is left alone
     return net.eval()
+
+
+def pretrained_on(
+    model_cfg: Mapping[str, Any],
+    x: Tensor,
+    y: Tensor,
+    recipe: PretrainParams,
+    seed: int,
+    cache: str | Path | None,
+    num_classes: int,
+    save: bool = True,
+) -> nn.Module:
+    """A frozen net of ``model_cfg`` trained on ``(x, y)`` (:func:`flx.models.pretrain.fit`, seeded by ``seed``), or
+    read from ``cache`` when that file exists; a newly trained net is written there (``save``: rank 0), so a resumed
+    run uses the very same model. AugFL's PM when the config gives none: trained on the server rows at the start."""
+    torch.manual_seed(seed)
+    net = net_from_config(model_cfg, x.shape[1:], num_classes).to(device=x.device)
+    if x.is_floating_point():
+        net = net.to(x.dtype)
+    cache = Path(cache) if cache is not None else None
+    if cache is not None and cache.exists():
+        state = read_state_dict(cache, "cache", str(cache))
+        check_fits(net, state, "cache", str(cache))
+        net.load_state_dict(state)
+        return freeze(net)
+    fit(net, x, y, recipe, torch.Generator().manual_seed(seed))
+    if save and cache is not None:
+        try:
+            save_state_dict(net, cache)
+        except FileExistsError:  # written meanwhile by another process of the same run: the same model
+            pass
+    return freeze(net)
 
 
 def _eval_only(self: nn.Module, mode: bool = True) -> nn.Module:
