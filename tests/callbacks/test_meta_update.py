@@ -210,3 +210,32 @@ def test_per_fedavg_local_steps_match_the_hand_update(mode: str) -> None:
         r = grad(data.x[q], data.y[q], w - ALPHA * grad(data.x[s], data.y[s], w))
         w = w - beta * (r - (ALPHA * hess(data.x[s]) @ r if mode == "exact" else 0))
     torch.testing.assert_close(flat(fed.params), w, rtol=0, atol=1e-12)
+
+
+def test_adapt_also_evaluates_more_steps_under_their_own_name() -> None:
+    """``also_steps=[3]``: at each evaluation epoch end the module is asked for the personalised metrics again under
+    ``adapted3``, with the net adapted by 3 steps; the main metric stays at ``steps``."""
+    data = few_shot(heldout=1)
+    adapt = Adapt(steps=1, lr=0.1, also_steps=[3])
+    fed = _fed(data, [adapt], clients_per_round=2, aggregator="mean", local_steps=1)
+    theta, rows = flat(fed.params), data.client_support[2]
+
+    def steps(k: int) -> torch.Tensor:
+        phi = theta
+        for _ in range(k):
+            phi = phi - 0.1 * grad(data.x[rows], data.y[rows], phi)
+        return phi
+
+    class Module:
+        seen: list = []
+
+        def log_personal_metrics(self, stage: str, name: str) -> None:
+            with fed.personalize(2):
+                self.seen.append((stage, name, flat(fed.params)))
+
+    adapt.on_test_epoch_end(None, Module())
+    ((stage, name, got),) = Module.seen
+    assert (stage, name) == ("test", "adapted3")
+    torch.testing.assert_close(got, steps(3), rtol=0, atol=1e-12)
+    with fed.personalize(2):
+        torch.testing.assert_close(flat(fed.params), steps(1), rtol=0, atol=1e-12)

@@ -40,10 +40,12 @@ class AdaptParams:
 
     steps: int = 1
     lr: float = 0.03
+    also_steps: tuple[int, ...] = ()  # more step counts, each logged as {split}/adapted<k>_<metric>_*
 
 
 class Adapt(FederatedCallback):
-    """``personalize``: ``steps`` full-batch gradient steps of size ``lr`` on the client's support rows."""
+    """``personalize``: ``steps`` full-batch gradient steps of size ``lr`` on the client's support rows; each count of
+    ``also_steps`` is evaluated too and logged as ``{split}/adapted<k>_<metric>_{mean,worst,p10}``."""
 
     def __init__(self, **params: Any) -> None:
         self.params = p = AdaptParams(**params)
@@ -51,11 +53,32 @@ class Adapt(FederatedCallback):
             raise bad_value("algo.adapt_steps", p.steps, ">= 0 (0: the global model)")
         if not p.lr > 0:
             raise bad_value("algo.adapt_lr", p.lr, "> 0")
+        object.__setattr__(p, "also_steps", tuple(int(k) for k in p.also_steps))
+        if any(k < 0 for k in p.also_steps):
+            raise bad_value("algo.adapt_also_steps", list(p.also_steps), "step counts >= 0")
+        self._steps = p.steps
+
+    @override
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log_more(pl_module, "val")
+
+    @override
+    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log_more(pl_module, "test")
+
+    def _log_more(self, pl_module: Any, stage: str) -> None:
+        """The personalised metrics after each of ``also_steps`` steps (the main ones use ``steps``)."""
+        for k in self.params.also_steps:
+            self._steps = k
+            try:
+                pl_module.log_personal_metrics(stage, f"adapted{k}")
+            finally:
+                self._steps = self.params.steps
 
     @override
     def personalize(self, fed: Federation, cid: int) -> Any:
         rows = fed.support_rows(cid)
-        return self._adapted(fed, rows) if len(rows) and self.params.steps else None
+        return self._adapted(fed, rows) if len(rows) and self._steps else None
 
     @contextmanager
     def _adapted(self, fed: Federation, rows: torch.Tensor) -> Iterator[None]:
@@ -63,7 +86,7 @@ class Adapt(FederatedCallback):
         was_training = fed.net.training
         fed.net.train()
         phi = [q.detach() for q in fed.params]
-        for _ in range(self.params.steps):
+        for _ in range(self._steps):
             phi = torch._foreach_add(phi, fed.grad_at(phi, rows), alpha=-self.params.lr)
         fed.net.train(was_training)
         with torch.no_grad():

@@ -150,9 +150,18 @@ class FederatedModule(pl.LightningModule):
             if dm.has_client_rows(split) and self.federation.parts_with("personalize"):
                 self._log_personal(split)
 
-    def _log_personal(self, split: str) -> None:
+    def log_personal_metrics(self, stage: str, name: str) -> None:
+        """:meth:`_log_personal` under ``name`` on every split of ``stage`` (``val`` / ``test``) that has per-client
+        rows: for a part that evaluates a second personalisation (``Adapt``'s ``also_steps``), from its own
+        ``on_{validation,test}_epoch_end``."""
+        dm = self.trainer.datamodule
+        for split in dict.fromkeys(split for split, _ in dm.eval_plan(stage)):
+            if dm.has_client_rows(split):
+                self._log_personal(split, name)
+
+    def _log_personal(self, split: str, name: str = "personal") -> None:
         """Each client's personalised model (the parts' ``personalize``) on its own evaluation rows of ``split``:
-        ``{split}/personal_<key>_{mean,worst,p10}`` (``<key>``: the task's per-client metric), and on W&B the
+        ``{split}/<name>_<key>_{mean,worst,p10}`` (``<key>``: the task's per-client metric), and on W&B the
         per-client table and bar chart."""
         dtype = next(self.net.parameters()).dtype
         data = [
@@ -162,8 +171,8 @@ class FederatedModule(pl.LightningModule):
         per_client = self.federation.evaluate_clients(data, self.task.client_metric)
         key = self.task.client_key
         for k, v in spread(per_client, self.task.higher_is_better).items():
-            self.log(f"{split}/personal_{key}_{k}", v.float(), add_dataloader_idx=False)
-        self._log_client_table(split, per_client, f"personal_{key}")
+            self.log(f"{split}/{name}_{key}_{k}", v.float(), add_dataloader_idx=False)
+        self._log_client_table(split, per_client, f"{name}_{key}")
 
     def _check_finite(self, split: str) -> None:
         """A non-finite loss of the global model during fit: the run stops as diverged (never ends with it)."""
