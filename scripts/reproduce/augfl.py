@@ -27,12 +27,14 @@ import csv
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import mean_std, plot_curves  # noqa: E402
+
 OUT = ROOT / "docs" / "results" / "augfl"
 BASE = [
     "logger=none",
@@ -89,13 +91,6 @@ def run(args: list[str], seed: int, rounds: int, every: int) -> tuple[dict, dict
     return final, curves
 
 
-def _mean_std(values: list[float]) -> str:
-    if any(not math.isfinite(v) for v in values):
-        return "n/a"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{100 * statistics.mean(values):.2f} ± {100 * std:.2f}"
-
-
 def available(setting: str) -> bool:
     """Whether the setting's data load (the embedded digits always do); prints why not."""
     if setting == "digits":
@@ -150,37 +145,16 @@ def main(argv: list[str]) -> None:
                 curves.setdefault(method, curve)
                 acc = final.get("test/personal_acc_mean", math.nan)
                 print(f"{setting} {method} seed={seed}: held-out acc {acc:.4f}", flush=True)
-            cells = [_mean_std([r.get(key, math.nan) for r in results]) for _, key in COLUMNS]
+            cells = [mean_std([r.get(key, math.nan) for r in results], 100, 2) for _, key in COLUMNS]
             table.append([method, *cells])
             rows_csv.append([setting, method, rounds, len(seeds), *cells])
         lines += [f"### {label}, {rounds} rounds", "", "| method | " + " | ".join(h for h, _ in COLUMNS) + " |"]
         lines += ["|" + "---|" * (len(COLUMNS) + 1), *("| " + " | ".join(r) + " |" for r in table), ""]
-        _plot(setting, label, curves)
+        plot_curves(OUT / f"{setting}.png", label, curves, ("test/personal_acc_mean", "train/loss"))
     (OUT / "table.md").write_text("\n".join(lines))
     with open(OUT / "table.csv", "w", newline="") as f:
         csv.writer(f).writerows([["setting", "method", "rounds", "seeds", *(h for h, _ in COLUMNS)], *rows_csv])
     print((OUT / "table.md").read_text())
-
-
-def _plot(setting: str, label: str, curves: dict[str, dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key in zip(axes, ("test/personal_acc_mean", "train/loss")):
-        for name, curve in curves.items():
-            if curve.get(key):
-                ax.plot(*zip(*curve[key]), label=name, linewidth=1.2)
-        ax.set_xlabel("communication round")
-        ax.set_title(f"{key} (seed 0)", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(label)
-    fig.tight_layout()
-    fig.savefig(OUT / f"{setting}.png", dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,14 @@ import csv
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import mean_std, plot_curves  # noqa: E402
+
 OUT = ROOT / "docs" / "results" / "pfedfbe"
 BASE = [
     "algo.clients_per_round=10",
@@ -135,14 +137,6 @@ def _value(final: dict, curves: dict, key: str) -> float:
     return final.get(key, math.nan)
 
 
-def _mean_std(values: list[float]) -> str:
-    if any(not math.isfinite(v) for v in values):
-        return "diverged" if any(math.isinf(v) or v > 1e12 for v in values) else "n/a"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    digits = 4 if abs(statistics.mean(values)) < 10 else 2
-    return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
-
-
 def main(argv: list[str]) -> None:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -177,7 +171,7 @@ def main(argv: list[str]) -> None:
                 curves.setdefault(method, curve)
                 obj = _value(final, curve, "curve:train/objective")
                 print(f"{setting} {method} seed={seed}: objective={obj:.4f}", flush=True)
-            cells = [_mean_std([_value(f, c, key) for f, c in results]) for _, key in cols]
+            cells = [mean_std([_value(f, c, key) for f, c in results]) for _, key in cols]
             rows.append([method, *cells])
             csv_rows.append([setting, method, str(n), str(len(seeds)), *(f"{h}={v}" for (h, _), v in zip(cols, cells))])
         sections.append((label, n, ["method", *(h for h, _ in cols)], rows))
@@ -198,11 +192,6 @@ def _write(command: str, seeds: list[int], sections: list, header_csv: list[str]
 
 
 def _plot(setting: str, label: str, curves: dict[str, dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     metric = "test/acc" if setting == "mnist" else "test/mse"
     third = {
         "lasso1": "val/support_f1",
@@ -210,22 +199,8 @@ def _plot(setting: str, label: str, curves: dict[str, dict]) -> None:
         "matrix": "val/personal_rank_mean",
         "mnist": "test/personal_acc_mean",
     }[setting]
-    OUT.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for ax, key in zip(axes, ("train/objective", metric, third)):
-        for name, curve in curves.items():
-            if curve.get(key):
-                ax.plot(*zip(*curve[key]), label=name, linewidth=1.2)
-        if key != third and setting != "mnist" or key == "train/objective":
-            ax.set_yscale("log")
-        ax.set_xlabel("communication round")
-        ax.set_title(f"{key} (seed 0)", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(label)
-    fig.tight_layout()
-    fig.savefig(OUT / f"{setting}.png", dpi=110)
-    plt.close(fig)
+    log = ("train/objective",) if setting == "mnist" else ("train/objective", metric)
+    plot_curves(OUT / f"{setting}.png", label, curves, ("train/objective", metric, third), log)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""What the reproduction scripts share: the per-round curve figure and the mean ± std cell of a results table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def mean_std(values: Sequence[float], scale: float = 1.0, digits: int | None = None) -> str:
+    """``mean ± std`` over seeds of ``values * scale`` (one seed: std 0); ``n/a`` if a value is missing, ``diverged``
+    if one is infinite or huge. ``digits`` None: 4 below 10, else 2."""
+    if any(not math.isfinite(v) for v in values):
+        return "diverged" if any(math.isinf(v) or abs(v) > 1e12 for v in values) else "n/a"
+    values = [v * scale for v in values]
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    mean = statistics.mean(values)
+    d = digits if digits is not None else (4 if abs(mean) < 10 else 2)
+    return f"{mean:.{d}f} ± {std:.{d}f}"
+
+
+def plot_curves(path: Path, title: str, curves: dict[str, dict], keys: Sequence[str], log: Sequence[str] = ()) -> None:
+    """One panel per metric of ``keys`` (its ``(round, value)`` curve for each method of ``curves``; keys in ``log``
+    on a log scale), saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.7 * len(keys), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, curve in curves.items():
+            if curve.get(key):
+                ax.plot(*zip(*curve[key]), label=name, linewidth=1.2)
+        if key in log:
+            ax.set_yscale("log")
+        ax.set_xlabel("communication round")
+        ax.set_title(f"{key} (seed 0)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
