@@ -33,16 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import mean_std, plot_curves  # noqa: E402
+from common import QUIET_CPU, mean_std, plot_curves  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "augfl"
 BASE = [
-    "logger=none",
-    "trainer.enable_progress_bar=false",
-    "trainer.accelerator=cpu",
-    "checkpoint=null",
-    "callbacks.progress_bar=null",
-    "num_threads=1",
+    *QUIET_CPU,
     "data.val_fraction=0",  # the held-out clients are the evaluation; no validation split
     "eval_test=true",
     "partition=few_shot",

@@ -7,6 +7,16 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+QUIET_CPU = [
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "trainer.accelerator=cpu",
+    "checkpoint=null",
+    "callbacks.progress_bar=null",
+    "num_threads=1",
+]
+"""Overrides of every reproduction run: no logger, bar or checkpoint, the CPU, one thread."""
+
 
 def mean_std(values: Sequence[float], scale: float = 1.0, digits: int | None = None) -> str:
     """``mean ± std`` over seeds of ``values * scale`` (one seed: std 0); ``n/a`` if a value is missing, ``diverged``

@@ -27,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import QUIET_CPU  # noqa: E402
+
 OUT = ROOT / "docs" / "results" / "drfa"
 DATA = {"digits": ["data=digits"], "fashion_mnist": ["data=fashion_mnist"]}
 BASE = [
@@ -39,12 +42,7 @@ BASE = [
     "algo.batch_size=50",
     "algo.clients_per_round=10",
     "algo.weighting=uniform",
-    "logger=none",
-    "trainer.enable_progress_bar=false",
-    "trainer.accelerator=cpu",
-    "checkpoint=null",
-    "callbacks.progress_bar=null",
-    "num_threads=1",
+    *QUIET_CPU,
     # max_i f_i of the global model on the training rows (the DRFA objective) for every method, baselines included
     "++algo.parts.client_loss._target_=flx.callbacks.client_loss.ClientLoss",
     # the paper has no validation split: clients train on their whole class and the curves are test accuracy per

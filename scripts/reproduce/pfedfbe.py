@@ -36,18 +36,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import mean_std, plot_curves  # noqa: E402
+from common import QUIET_CPU, mean_std, plot_curves  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "pfedfbe"
 BASE = [
     "algo.clients_per_round=10",
     "algo.weighting=uniform",
-    "logger=none",
-    "trainer.enable_progress_bar=false",
-    "trainer.accelerator=cpu",
-    "checkpoint=null",
-    "callbacks.progress_bar=null",
-    "num_threads=1",
+    *QUIET_CPU,
     "data.val_fraction=0",  # no validation split in the paper: per-round test curves (eval_test), never used to select
     "eval_test=true",
     "+algo.parts.objective._target_=flx.callbacks.objective.Objective",
