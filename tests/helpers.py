@@ -40,7 +40,7 @@ def make_fed(
     reduce_sum: Callable[[Tensor], Tensor] | None = None,
     gather: Callable[[object], list[object]] | None = None,
     broadcast: Callable[[object], object] | None = None,
-    server: object = None,
+    resources: object = None,
     **cfg: object,
 ) -> Federation:
     fed = Federation(FederationConfig(**cfg))
@@ -54,7 +54,7 @@ def make_fed(
         world_size=world_size,
         gather=gather,
         broadcast=broadcast,
-        server=server,
+        server=resources,
     )
     return fed
 

@@ -158,7 +158,7 @@ def _build(name: str, **kw: Any) -> Federation:
         pm = _net().requires_grad_(False)
         with torch.no_grad():
             torch._foreach_mul_(list(pm.parameters()), 0.5)
-        kw["server"] = ServerResources(rows[5], {"pm": pm})
+        kw["resources"] = ServerResources(rows[5], {"pm": pm})
     return make_fed(_net(), data, parts=parts(), **{**MULTICLASS, **extra, **kw})
 
 

@@ -33,9 +33,9 @@ def few_shot(sizes=SIZES, seed: int = 0, heldout: int = 0) -> ClientStore:
     return ClientStore(data.x, data.y, data.client_indices, len(sizes) - heldout, support)
 
 
-def _fed(data, parts, server=None, **kw):
+def _fed(data, parts, resources=None, **kw):
     kw = {"clients_per_round": 3, "local_steps": 0, "aggregator": "admm_sum", "weighting": "uniform", "lr": 1.0} | kw
-    return make_fed(linear(3, 1, dtype=f64), data, parts, loss_fn=mse, server=server, **kw)
+    return make_fed(linear(3, 1, dtype=f64), data, parts, loss_fn=mse, resources=resources, **kw)
 
 
 def _pm(seed: int = 5) -> nn.Linear:
@@ -91,7 +91,7 @@ def test_admm_iterates_match_the_hand_computation_with_l2_to_the_pm() -> None:
     data, lam, pm = few_shot(), 0.3, _pm()
     server = ServerResources(torch.empty(0, dtype=torch.long), {"pm": pm})
     parts = [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=lam, rh="l2")]
-    fed = _fed(data, parts, server=server)
+    fed = _fed(data, parts, resources=server)
     theta, theta_p = flat(fed.params), flat(list(pm.parameters()))
     y = [torch.zeros_like(theta) for _ in SIZES]
     w = [n / sum(SIZES) for n in SIZES]
@@ -160,7 +160,7 @@ def test_client_uploads_do_not_depend_on_the_pm() -> None:
     feds = []
     for seed in (5, 6):
         server = ServerResources(torch.empty(0, dtype=torch.long), {"pm": _pm(seed)})
-        feds.append(_fed(data, [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=1.0, rh="l2")], server=server))
+        feds.append(_fed(data, [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=1.0, rh="l2")], resources=server))
         run_rounds(feds[-1], 1)
     for cid in range(3):
         assert all(torch.equal(a, b) for a, b in zip(feds[0].store.get(cid).values(), feds[1].store.get(cid).values()))

@@ -33,7 +33,7 @@ def _setup(pm_part: PMRegularizer, rounds: int = 0):
     pm = _net(7).requires_grad_(False).eval()
     server = ServerResources(rows[4], {"pm": pm})
     kw = dict(clients_per_round=4, local_steps=0, aggregator="admm_sum", weighting="uniform", lr=1.0)
-    fed = make_fed(_net(), store, [MetaUpdate(alpha=0.1, rho=RHO), pm_part], server=server, **kw)
+    fed = make_fed(_net(), store, [MetaUpdate(alpha=0.1, rho=RHO), pm_part], resources=server, **kw)
     run_rounds(fed, rounds)
     return fed, store, pm, rows[4]
 
