@@ -23,6 +23,8 @@ CASES: dict[str, tuple[tuple[int, ...], dict]] = {
     "mlp": ((1, 8, 8), {"hidden": (16, 8), "dropout": 0.1}),
     "cnn": ((3, 32, 32), {"channels": (4, 8), "hidden": 16}),
     "resnet_cifar": ((3, 16, 16), {"depth": 8, "widths": (4, 8, 8, 16)}),
+    "cnn_scalable": ((1, 8, 8), {"widths": (4, 8, 8, 8)}),
+    "resnet18_scalable": ((3, 8, 8), {"widths": (4, 8, 8, 8)}),
     # zero_init_last=False: timm zeroes the last BN scale per block by default, which zeroes some gradients at init
     "timm": ((1, 32, 32), {"name": "resnet18", "zero_init_last": False}),
 }

@@ -1,6 +1,7 @@
 """Name -> constructor registry for networks, in the style of timm's model registry.
 
-Built-in entries are ``linear``, ``logreg``, ``mlp``, ``cnn``, ``resnet_cifar`` and ``timm``. Add your own with
+Built-in entries are ``linear``, ``logreg``, ``mlp``, ``cnn``, ``resnet_cifar``, ``timm`` and the width-scalable
+``cnn_scalable`` and ``resnet18_scalable`` (:mod:`flx.models.scalable`). Add your own with
 :func:`register`::
 
     @register("my_net")
@@ -20,6 +21,7 @@ from torch import nn
 from flx.errors import bad_value
 from flx.models.nets import CNN, MLP, Linear, LogisticRegression
 from flx.models.resnet_cifar import ResNetCIFAR
+from flx.models.scalable import ScalableCNN, ScalableResNet18
 from flx.models.timm_factory import timm_net
 
 __all__ = ["NETS", "build_net", "register"]
@@ -100,3 +102,5 @@ register("mlp")(MLP)
 register("cnn")(CNN)
 register("resnet_cifar")(ResNetCIFAR)
 register("timm")(timm_net)
+register("cnn_scalable")(ScalableCNN)
+register("resnet18_scalable")(ScalableResNet18)
