@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from flx.errors import ConfigError, bad_value
 from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
+from flx.systems.params import check_system
 from flx.task_spec import check_task
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
@@ -383,6 +384,7 @@ def validate(cfg: DictConfig) -> None:
     check_task(cfg)  # the task against the data, partition and algorithm (flx.task_spec)
     _check_ckpt(cfg)
     check_server(cfg)
+    check_system(cfg)  # the device / latency simulator (flx.systems.params)
 
 
 def _check_data(cfg: DictConfig) -> None:

@@ -34,6 +34,8 @@ from flx.hooks import HOOKS, FederatedCallback, overrides
 from flx.sampling import SAMPLE_TAG, derive_seed, local_batches, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer
 from flx.state import ClientStateStore, ServerState
+from flx.systems.clock import SimClock
+from flx.systems.simulator import LatencySimulator
 
 __all__ = [
     "ClientContext",
@@ -63,12 +65,20 @@ class Federation:
     Args:
         cfg: the round-protocol hyper-parameters.
         store: per-client persistent state (created in memory when omitted).
+        system: the device / latency simulator (``system=mobile20``; docs/systems.md), or None: ``fed.system``, which
+            parts query, and the simulated clock ``fed.clock`` (``sim/round_time``, ``sim/clock``).
     """
 
-    def __init__(self, cfg: FederationConfig, store: ClientStateStore | None = None) -> None:
+    def __init__(
+        self, cfg: FederationConfig, store: ClientStateStore | None = None, system: LatencySimulator | None = None
+    ) -> None:
         self.cfg = cfg
         self.store = store if store is not None else ClientStateStore()  # an empty store is falsy (len 0)
         self.server = ServerState()
+        self.system = system
+        self.clock = SimClock(system) if system is not None else None
+        self._widths: dict[int, float] = {}
+        self._widths_open = False
         self.parts: list[FederatedCallback] = []
         self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}
         self.rnd: RoundContext | None = None
@@ -196,6 +206,7 @@ class Federation:
 
     def begin_round(self, round_idx: int) -> RoundContext:
         """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
+        self._widths, self._widths_open = {}, True
         ids, counts = np.unique(np.asarray(self.sample(round_idx), dtype=np.int64), return_counts=True)
         cohort, mult = tuple(int(c) for c in ids), tuple(int(c) for c in counts)
         self._multiplicity = dict(zip(cohort, mult))
@@ -216,7 +227,26 @@ class Federation:
         self._left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
         for part in self._hooked["on_round_start"]:
             part.on_round_start(self, self.rnd)
+        self._widths_open = False
         return self.rnd
+
+    def set_width(self, cid: int, ratio: float) -> None:
+        """Records that client ``cid`` trains at width ratio ``ratio`` this round (default 1.0, the full model).
+
+        Only from ``sample_clients`` or ``on_round_start``, which run alike on every rank, so every rank prices the
+        round (``fed.clock``) the same; with a simulator, ``ratio`` must be one of ``fed.system.widths``.
+        """
+        if not self._widths_open:
+            raise RuntimeError("fed.set_width is for sample_clients / on_round_start (the same on every rank)")
+        if not 0 < ratio <= 1:
+            raise ValueError(f"width ratio {ratio!r}: must be in (0, 1]")
+        if self.system is not None:
+            self.system.check_width(ratio)
+        self._widths[int(cid)] = float(ratio)
+
+    def width(self, cid: int) -> float:
+        """The width ratio client ``cid`` trains at this round (:meth:`set_width`; 1.0 when none was set)."""
+        return self._widths.get(int(cid), 1.0)
 
     def _assign_copies(self, shards: list[list[int]]) -> None:
         """Numbers the copies of each client over the ranks in rank order (the same on every rank) and keeps this
@@ -245,8 +275,17 @@ class Federation:
         else:  # no client of the round had usable rows: the global model stays as it was
             self.load_global()
         self.server.round = self.rnd.round + 1
+        if self.clock is not None:
+            self._advance_clock()
         for part in self._hooked["on_round_end"]:
             part.on_round_end(self, self.rnd)
+
+    def _advance_clock(self) -> None:
+        """Prices the round on the simulator: the clients that trained (skipped ones had no rows), at their widths
+        and local iterations (docs/systems.md)."""
+        trained = [c for c in self.rnd.cohort if c not in self.faults.skipped]
+        widths = {c: self.width(c) for c in trained}
+        self.clock.advance(self.rnd.round, widths, {c: self.client_steps(c) for c in trained})
 
     def _server_step(self) -> None:
         mean = self.aggregator.compute(self.global_params + self._global_floats)
@@ -480,11 +519,14 @@ class Federation:
             "round": self.server.round,
             "server_opt": self.server_opt.state_dict(),
             "store": self.store.state_dict(),
+            **({"sim_clock": self.clock.state_dict()} if self.clock is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server.round = int(state["round"])
         self.server.optimizer = state["server_opt"]
         self.store.load_state_dict(state["store"])
+        if self.clock is not None and "sim_clock" in state:
+            self.clock.load_state_dict(state["sim_clock"])
         if hasattr(self, "server_opt"):
             self.server_opt.load_state_dict(self.server.optimizer)

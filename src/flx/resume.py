@@ -17,7 +17,8 @@ from flx.errors import bad_value
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed under ``cfg``: the model, the algorithm and its parts, the
-    server optimizer, the data and its partition, the seed, and the task unless it is the default classification.
+    server optimizer, the data and its partition, the seed, the task unless it is the default classification, and the
+    simulated system (``system``, whose clock the checkpoint continues) when there is one.
     Hyper-parameters that may change on resume (rounds, learning rates, evaluation) and where files live are not part
     of it. Plain types only (weights-only loadable)."""
 
@@ -34,6 +35,8 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     task = {} if task is None or task.get("_target_") == "flx.tasks.Classification" else {"task": task}
     aggregator = plain("algo.aggregator")  # likewise only when not the default weighted mean
     task |= {} if aggregator in (None, "mean") else {"algo.aggregator": aggregator}
+    system = plain("system")  # the simulated devices and traces (the clock): only when set, likewise
+    task |= {"system": system} if system else {}
     return {
         "model": plain("model"),
         "algo.name": plain("algo.name"),

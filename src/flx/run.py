@@ -31,6 +31,7 @@ from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
+from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
@@ -104,6 +105,17 @@ def build_task(cfg: DictConfig, data: Any) -> Task:
     return task
 
 
+def build_system(cfg: DictConfig, fed_cfg: FederationConfig, net: torch.nn.Module) -> LatencySimulator | None:
+    """The ``system=`` device / latency simulator (docs/systems.md), given the run's ``B``, ``K`` and parameter count;
+    None with ``system=none``."""
+    if not cfg.get("system"):
+        return None
+    num_params = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    return instantiate(
+        cfg.system, batch_size=fed_cfg.batch_size, local_steps=fed_cfg.local_steps, num_params=num_params
+    )
+
+
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
     if cfg.get("num_threads"):
@@ -124,7 +136,8 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes, outputs)
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
-    fed = Federation(federation_config(cfg, dm.clients.num_train_clients), store)
+    fed_cfg = federation_config(cfg, dm.clients.num_train_clients)
+    fed = Federation(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
     module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg), task=task)
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:

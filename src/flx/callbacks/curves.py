@@ -1,7 +1,8 @@
 """Learning curves per round, saved as ``<output_dir>/curves.png`` (and ``curves.json``) when fit ends.
 
 A plain Lightning callback: it reads the round-level metrics Lightning already computed, so it works with
-any logger (or none) and costs nothing per client.
+any logger (or none) and costs nothing per client. With a simulated system (``system=mobile20``) it also records
+``sim/clock`` (simulated seconds after each round) and plots the accuracy curves against it as a third panel.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ TRACKED = (
         for p, s in (("", ""), ("personal_", "_mean"))
         for key in ("support_f1", "rank", "recovery_error")
     ),
+    # simulated wall-clock (flx.systems, docs/systems.md): an x-axis, not a curve of the panels
+    "sim/round_time",
+    "sim/clock",
 )
+CLOCK = "sim/clock"
 EVAL_ONLY = (
     "val/",
     "test/",
@@ -108,12 +113,21 @@ class RoundCurves(pl.Callback):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
+        clock = dict(self.history.get(CLOCK, []))  # round -> simulated seconds
+        fig, axes = plt.subplots(1, 3 if clock else 2, figsize=(15 if clock else 10, 3.6))
+        ax_loss, ax_acc = axes[:2]
         for key, points in self.history.items():
-            ax = ax_loss if any(k in key for k in ("loss", "mse", "objective")) else ax_acc
-            ax.plot(*zip(*points), marker="o", markersize=2.5, label=key)
-        for ax, title in ((ax_loss, "loss"), (ax_acc, "global model: accuracy / AUC")):
-            ax.set_xlabel("round")
+            if key.startswith("sim/"):
+                continue
+            is_loss = any(k in key for k in ("loss", "mse", "objective"))
+            (ax_loss if is_loss else ax_acc).plot(*zip(*points), marker="o", markersize=2.5, label=key)
+            timed = [(clock[r], v) for r, v in points if r in clock]
+            if clock and not is_loss and timed:
+                axes[2].plot(*zip(*timed), marker="o", markersize=2.5, label=key)
+        panels = [(ax_loss, "loss", "round"), (ax_acc, "global model: accuracy / AUC", "round")]
+        panels += [(axes[2], "against simulated wall-clock", "simulated time (s)")] if clock else []
+        for ax, title, xlabel in panels:
+            ax.set_xlabel(xlabel)
             ax.set_title(title)
             ax.grid(alpha=0.3)
             if ax.lines:

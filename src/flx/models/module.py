@@ -8,7 +8,7 @@ validation loop with ``eval_test``). Metric keys (the task's): classification ``
 ``val/client_acc_{mean,worst,std}``, binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``; regression
 ``val/loss``, ``val/mse``, ``val/rmse``, ``val/client_mse_{mean,worst,std}``; ``test/*`` likewise, round-level keys
 under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local iterations per client so far,
-``cohort``, ``samples``).
+``cohort``, ``samples``), simulated time under ``sim/`` (``round_time``, ``clock``: seconds, with a ``system``).
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ class FederatedModule(pl.LightningModule):
         loss = self.federation.train_loss
         if loss is not None:
             self.log("train/loss", loss, on_epoch=True, batch_size=1)
+        # simulated seconds (docs/systems.md); logged even without a logger, for the curves
+        clock = self.federation.clock
+        if clock is not None:
+            self.log_dict({"sim/round_time": clock.round_time, "sim/clock": clock.elapsed})
         if not self.loggers:
             return
         rnd = self.federation.rnd
