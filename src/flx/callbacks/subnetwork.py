@@ -63,7 +63,7 @@ class SubnetworkParams:
     fisher: str = "trace_empirical"
     fisher_samples: int | None = 8
     beta: float = 2.0
-    u_th: float = 10.0
+    u_th: float = 20000.0
     T: float = 20.0
     D: int = 10
     levels: int = 5
