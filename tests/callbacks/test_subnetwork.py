@@ -17,7 +17,7 @@ from flx.callbacks.prox import Prox
 from flx.callbacks.subnetwork import MAX_LEVELS, Subnetwork
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
-from flx.models.scalable import ScalableCNN
+from flx.models.scalable import ScalableCNN, StaticBatchNorm2d, rebuild_bn_stats
 from flx.models.width import width_masks
 from flx.systems.simulator import LatencySimulator
 
@@ -204,3 +204,22 @@ def test_state_dict_round_trip() -> None:
     other = Subnetwork()
     other.load_state_dict(part.state_dict())
     assert other.windows == part.windows and len(other.windows[0]) == 2
+
+
+def test_static_bn_is_rebuilt_on_the_training_rows_around_evaluation() -> None:
+    """Validation start: every sBN layer gets the statistics of rebuild_bn_stats over all training rows; epoch end:
+    cleared, so they never outlive the weights."""
+    data = store([6, 7])
+    part = Subnetwork(scheduler="fixed")
+    fed = fed_with([part], data)
+    run_rounds(fed, 1)
+    ref = copy.deepcopy(fed.net)
+    rebuild_bn_stats(ref, data.x, 1024)
+    part.on_validation_epoch_start(None, fed.net)
+    layers = [m for m in fed.net.modules() if isinstance(m, StaticBatchNorm2d)]
+    refs = [m for m in ref.modules() if isinstance(m, StaticBatchNorm2d)]
+    for m, r in zip(layers, refs):
+        torch.testing.assert_close(m.stat_mean, r.stat_mean, rtol=0, atol=0)
+        torch.testing.assert_close(m.stat_var, r.stat_var, rtol=0, atol=0)
+    part.on_validation_epoch_end(None, fed.net)
+    assert all(m.stat_mean is None for m in layers)
