@@ -76,18 +76,9 @@ def test_whale_levels_cold_start_then_the_utility() -> None:
     run_rounds(fed, 1, start=1)
     for cid in range(5):
         t_co, t_tr = fed.system.unit_times(cid, 1, steps=2)
-        te = -(-fed.num_samples(cid) // 8) * part_window_rms(part, cid)
+        te = -(-fed.num_samples(cid) // 8) * part.windows[cid][0] ** 0.5  # the window at round 1's start: round 0
         util = te * (2.0 / (t_co + t_tr)) ** 2
         assert part.levels[cid] == max(wu.quantise(min(util / 2000.0, 1.0), 5), MAX_LEVELS[SYSTEM["types"][cid]])
-
-
-def part_window_rms(part: Subnetwork, cid: int) -> float:
-    """The window after round 0 only: sqrt of that round's mean FI^2."""
-    return part_snapshot[cid] ** 0.5 if (part_snapshot := _first_window(part)) else 0.0
-
-
-def _first_window(part: Subnetwork) -> list[float]:
-    return [w[0] for w in part.windows]
 
 
 def test_the_window_holds_the_mean_fi_squared_by_hand() -> None:
