@@ -41,9 +41,10 @@ def make_fed(
     gather: Callable[[object], list[object]] | None = None,
     broadcast: Callable[[object], object] | None = None,
     resources: object = None,
+    system: object = None,
     **cfg: object,
 ) -> Federation:
-    fed = Federation(FederationConfig(**cfg))
+    fed = Federation(FederationConfig(**cfg), system=system)
     fed.attach(
         net,
         data,

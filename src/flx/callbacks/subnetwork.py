@@ -1,0 +1,256 @@
+r"""Sub-network scheduling: each client trains a width sub-model of ONE full-width net, its level chosen per round.
+
+H. Su et al., "WHALE-FL: Wireless and Heterogeneity Aware Latency Efficient Federated Learning over Mobile Devices via
+Adaptive Subnetwork Scheduling", 2024 (digest ``whale-fl.md`` §2-4). Also the fixed-size baselines it extends:
+HeteroFL (Diao et al., ICLR 2021; prefix channels), FedRolex (Alam et al., NeurIPS 2022; rolling) and Federated
+Dropout (Caldas et al., 2018; random channels). Per round ``r`` and client ``i`` (Alg. of digest §4):
+
+.. math::
+    p_{i,r} = \max\big(\hat p(\min(TE_{i,r} SE_{i,r}^{\beta} / U_{th}, 1)),\ p_i^{max}\big), \qquad
+    \rho_{i,r} = s^{p_{i,r} - 1}
+
+(Eqs. 4-9, :mod:`flx.callbacks.whale_utility`), then local SGD on the sub-model (masked weights and gradients) and
+``algo.aggregator=count_mean``: each entry is the mean over the clients whose sub-model holds it (Eqs. 1-2, 10).
+``scheduler``: ``whale`` (Eq. 6), ``te_only`` / ``se_only`` (ablations), ``fixed`` (``p = p^max`` of the device
+type: HeteroFL / FedRolex / FedDropout with ``extractor=prefix|rolling|random``), ``full`` (``p = 1``: FedAvg).
+
+Choices the paper leaves open (docs/whale.md): ``FI`` per batch (``fisher``), the window holds the client's last
+``D`` rounds **in which it trained** (per round the mean of ``FI^2`` over its batches, one length-N registered
+statistic, so a round is one all-reduce); ``|B|`` = ``ceil(n_i / B)`` batches (``te_batches``: or ``steps``, or
+``samples`` as the code); a client with an empty window (cold start) trains the smallest level ``P`` (the code's
+``FI = 1e-5`` has this effect); ``p^max`` per device type is our assumption (``max_levels``). Static BN: the global
+model's statistics are rebuilt on the training rows before each validation and test and cleared after.
+
+Symbols: ``beta``, ``u_th`` (``U_th``), ``T``, ``D``, ``P`` (``levels``), ``s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from flx.callbacks import whale_utility as wu
+from flx.errors import ConfigError, bad_value
+from flx.hooks import FederatedCallback
+from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
+from flx.models.width import MODES, apply_masks, mask_grads, width_masks
+from flx.sampling import derive_seed
+
+if TYPE_CHECKING:
+    from flx.context import ClientContext, RoundContext
+    from flx.federation import Federation
+
+_MASK_TAG, _LABEL_TAG = 0x57A1, 0x57A2
+_FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches this round
+#: our assumption (the paper gives no W^max, digest §7 item 10): the testbed's types from most to least capable
+MAX_LEVELS = {"MacBookPro2018": 1, "Xavier": 2, "TX2": 3, "Nano": 4, "RaspberryPi": 5}
+TE_BATCHES = ("batches", "steps", "samples")
+
+
+@dataclass(frozen=True)
+class SubnetworkParams:
+    """See the module docstring; ``bn_batch``: chunk rows of the static-BN rebuild; ``target_acc``: log
+    ``sim/time_to_target`` when ``target_metric`` first reaches it."""
+
+    scheduler: str = "whale"
+    extractor: str = "prefix"
+    fisher: str = "trace_empirical"
+    fisher_samples: int | None = 8
+    beta: float = 2.0
+    u_th: float = 20000.0
+    T: float = 20.0
+    D: int = 10
+    levels: int = 5
+    s: float = 0.5
+    te_batches: str = "batches"
+    max_levels: Mapping[str, int] = field(default_factory=lambda: dict(MAX_LEVELS))
+    label_aware: bool = False
+    bn_batch: int = 1024
+    target_acc: float | None = None
+    target_metric: str = "val/acc"
+
+
+class Subnetwork(FederatedCallback):
+    """Per-round width levels (WHALE-FL or fixed), sub-model masks, Fisher windows and static-BN evaluation."""
+
+    def __init__(self, **params: Any) -> None:
+        if "max_levels" in params and params["max_levels"] is not None:
+            params["max_levels"] = {str(k): int(v) for k, v in dict(params["max_levels"]).items()}
+        self.params = p = SubnetworkParams(**params)
+        for key, value, allowed in (
+            ("scheduler", p.scheduler, wu.SCHEDULERS),
+            ("extractor", p.extractor, MODES),
+            ("fisher", p.fisher, wu.FISHER),
+            ("te_batches", p.te_batches, TE_BATCHES),
+        ):
+            if value not in allowed:
+                raise bad_value(f"algo.{key}", value, f"allowed: {', '.join(allowed)}")
+        for key, value in (("beta", p.beta), ("u_th", p.u_th), ("T", p.T), ("s", p.s)):
+            if not value > 0:
+                raise bad_value(f"algo.{key}", value, "must be > 0")
+        if p.fisher_samples is not None and p.fisher_samples < 1:
+            raise bad_value("algo.fisher_samples", p.fisher_samples, ">= 1, or null for the whole batch")
+        if p.D < 1 or p.levels < 1:
+            raise bad_value("algo.D" if p.D < 1 else "algo.levels", min(p.D, p.levels), "must be >= 1")
+        if any(not 1 <= v <= p.levels for v in p.max_levels.values()):
+            raise bad_value("algo.max_levels", dict(p.max_levels), f"levels in 1..{p.levels}")
+        self.windows: list[list[float]] = []  # per client, the last D rounds' mean FI^2 (oldest first)
+        self.levels: dict[int, int] = {}  # this round's level per cohort client
+        self.time_to_target: float | None = None
+        self._fed: Federation | None = None
+        self._log: dict[str, float] = {}
+        self._utils: list[float] = []  # this round's Util values (for calibrating U_th: whale/util_median)
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        p = self.params
+        if fed.cfg.aggregator != "count_mean":
+            raise bad_value("algo.aggregator", fed.cfg.aggregator, "sub-networks need count_mean")
+        if fed.system is None:
+            raise ConfigError("system=none: sub-network scheduling needs simulated devices, e.g. system=mobile20")
+        if not hasattr(fed.net, "width_groups") or not hasattr(fed.net, "set_width"):
+            raise bad_value(
+                "model", type(fed.net).__name__, "not width-scalable: use model=cnn_scalable|resnet18_scalable"
+            )
+        for level in range(1, p.levels + 1):
+            if wu.width(level, p.s) not in fed.system.widths:
+                raise bad_value("algo.levels", p.levels, f"width s^{level - 1} has no device profile (s={p.s})")
+        types = {fed.system.device_type(c) for c in range(fed.num_clients)}
+        if missing := sorted(types - set(p.max_levels)):
+            raise bad_value("algo.max_levels", dict(p.max_levels), f"no level for device types {missing}")
+        if len(self.windows) != fed.num_clients:  # a resumed run loaded them with the checkpoint
+            self.windows = [[] for _ in range(fed.num_clients)]
+        fed.register_stat(_FI2, torch.zeros(fed.num_clients, dtype=fed.params[0].dtype))
+        self._fed = fed
+
+    # ------------------------------------------------------------------ server: levels
+    def client_level(self, fed: Federation, cid: int, round_idx: int) -> int:
+        """``p_{i,r}`` (identical on every rank: the windows and the simulator are)."""
+        p = self.params
+        p_max = p.max_levels[fed.system.device_type(cid)]
+        if p.scheduler == "full":
+            return 1
+        if p.scheduler == "fixed":
+            return p_max
+        window = self.windows[cid]
+        if p.scheduler != "se_only" and not window:
+            return p.levels  # cold start: no Fisher history yet
+        te = wu.training_efficiency(window, self._te_batches(fed, cid)) if window else 0.0
+        t_co, t_tr = fed.system.unit_times(cid, round_idx, steps=fed.client_steps(cid))
+        util = wu.utility(te, t_co, t_tr, T=p.T, beta=p.beta, mode=p.scheduler)
+        self._utils.append(util)
+        return wu.level(util, u_th=p.u_th, levels=p.levels, p_max=p_max)
+
+    def _te_batches(self, fed: Federation, cid: int) -> int:
+        n = fed.num_samples(cid)
+        return {"batches": -(-n // fed.cfg.batch_size), "steps": fed.client_steps(cid), "samples": n}[
+            self.params.te_batches
+        ]
+
+    @override
+    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+        self._utils = []
+        self.levels = {cid: self.client_level(fed, cid, rnd.round) for cid in rnd.cohort}
+        for cid, level in self.levels.items():
+            fed.set_width(cid, wu.width(level, self.params.s))
+
+    @override
+    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+        fed.net.set_width(1.0)  # also after a dropped last client, whose on_client_end never ran
+        fi2, left_out = fed.stat(_FI2), set(fed.faults.dropped) | set(fed.faults.skipped)
+        trained = [c for c in rnd.cohort if c not in left_out]
+        for cid in trained:
+            self.windows[cid] = [*self.windows[cid], float(fi2[cid])][-self.params.D :]
+        counts = {q: sum(v == q for v in self.levels.values()) for q in range(1, self.params.levels + 1)}
+        self._log = {f"whale/level_{q}": float(k) for q, k in counts.items()}
+        self._log["whale/width_mean"] = sum(fed.width(c) for c in rnd.cohort) / max(len(rnd.cohort), 1)
+        rms = [math.sqrt(max(float(fi2[c]), 0.0)) for c in trained]
+        self._log["whale/fi_mean"] = sum(rms) / len(rms) if rms else 0.0
+        if self._utils:
+            self._log["whale/util_median"] = sorted(self._utils)[len(self._utils) // 2]
+
+    # ------------------------------------------------------------------ client: masks, gradients, Fisher
+    @override
+    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+        rho, r = fed.width(client.cid), client.round.round
+        gen = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, r, client.cid, _MASK_TAG))
+        classes = None
+        if self.params.label_aware:
+            classes = torch.unique(fed.data.y[fed.data.client_indices[client.cid]]).cpu()
+        client.masks = width_masks(fed.net, rho, self.params.extractor, round_idx=r, generator=gen, classes=classes)
+        apply_masks(fed.local_state, client.masks)
+        fed.net.set_width(rho)
+        client.extras["whale_fi2"] = [0.0, 0]
+        if self.params.fisher == "trace_sampled":
+            seed = derive_seed(fed.cfg.seed, r, client.cid, _LABEL_TAG)
+            client.extras["whale_labels"] = torch.Generator(device=fed.params[0].device).manual_seed(seed)
+
+    @override
+    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+        mask_grads(fed.params, client.masks)
+        x, y = client.batch
+        gen = client.extras.get("whale_labels")
+        p = self.params
+        fi = wu.batch_fisher(fed.net, fed.loss_fn, x, y, client.masks, p.fisher, gen, samples=p.fisher_samples)
+        acc = client.extras["whale_fi2"]
+        acc[0], acc[1] = acc[0] + fi * fi, acc[1] + 1
+
+    @override
+    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+        fed.net.set_width(1.0)
+        total, count = client.extras.pop("whale_fi2")
+        fed.stat(_FI2)[client.cid] += total / max(count, 1)  # this rank's share: its clients' slots
+
+    # ------------------------------------------------------------------ evaluation: static BN, logging
+    def _rebuild_bn(self, pl_module: pl.LightningModule) -> None:
+        fed = self._fed
+        if fed is None:
+            return
+        rows = torch.cat([fed.data.client_indices[c] for c in range(fed.num_clients)])
+        rebuild_bn_stats(fed.net, fed.data.x[rows], self.params.bn_batch)
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rebuild_bn(pl_module)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        clear_bn_stats(pl_module)
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rebuild_bn(pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        clear_bn_stats(pl_module)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        p, fed = self.params, self._fed
+        if p.target_acc is not None and self.time_to_target is None and fed is not None and fed.clock is not None:
+            value = trainer.callback_metrics.get(p.target_metric)
+            if value is not None and float(value) >= p.target_acc:
+                self.time_to_target = fed.clock.elapsed
+        values = dict(self._log)
+        if self.time_to_target is not None:
+            values["sim/time_to_target"] = self.time_to_target
+        if values:
+            pl_module.log_dict(values, on_epoch=True)
+
+    # ------------------------------------------------------------------ checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": [list(w) for w in self.windows], "time_to_target": self.time_to_target}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.windows = [list(w) for w in state_dict["windows"]]
+        self.time_to_target = state_dict.get("time_to_target")

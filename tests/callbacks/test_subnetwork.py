@@ -1,0 +1,216 @@
+"""The sub-network scheduler part: levels from the windows and the simulator, a round at two widths equals the hand
+count-mean merge, the Fisher window by hand, the checks, and composition with FedProx and DRFA's lambda sampling."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_fed, run_rounds
+from torch import nn
+
+from flx.callbacks import whale_utility as wu
+from flx.callbacks.lambda_sampling import LambdaSampling
+from flx.callbacks.prox import Prox
+from flx.callbacks.subnetwork import MAX_LEVELS, Subnetwork
+from flx.datamodules.datamodule import ClientStore
+from flx.errors import ConfigError
+from flx.models.scalable import ScalableCNN, StaticBatchNorm2d, rebuild_bn_stats
+from flx.models.width import width_masks
+from flx.systems.simulator import LatencySimulator
+
+SYSTEM = dict(
+    types=list(MAX_LEVELS),
+    num_devices=20,
+    profile="cnn_mnist",
+    link_rates_mbps=[80, 20, 10],
+    upload_bits=12352000,
+    dynamics="markov",
+    switch_prob=0.1,
+    load_min=0.5,
+    trace_seed=0,
+)
+CFG = dict(local_steps=2, batch_size=8, lr=0.05, aggregator="count_mean", weighting="uniform", seed=3)
+
+
+def cnn(seed: int = 0, norm: str = "bn") -> ScalableCNN:
+    torch.manual_seed(seed)
+    return ScalableCNN(input_shape=(1, 8, 8), num_classes=3, widths=[4, 4, 8, 8], norm=norm).double()
+
+
+def store(sizes: list[int], seed: int = 0) -> ClientStore:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    x, y = torch.randn(n, 1, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    bounds = torch.tensor([0, *sizes]).cumsum(0)
+    return ClientStore(x, y, [torch.arange(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def fed_with(parts: list, data: ClientStore, net: nn.Module | None = None, **kw: object):
+    cfg = {**CFG, "clients_per_round": len(data.client_indices), **kw}
+    return make_fed(net if net is not None else cnn(), data, parts=parts, system=simulator(cfg), **cfg)
+
+
+def simulator(cfg: dict) -> LatencySimulator:
+    return LatencySimulator(batch_size=cfg["batch_size"], local_steps=cfg["local_steps"], **SYSTEM)
+
+
+def test_fixed_levels_are_the_device_caps() -> None:
+    """scheduler=fixed: client i on device type types[i mod 5] trains level p_max (HeteroFL's fixed assignment)."""
+    part = Subnetwork(scheduler="fixed")
+    fed = fed_with([part], store([6] * 5))
+    run_rounds(fed, 1)
+    assert part.levels == {i: i + 1 for i in range(5)}
+    assert [fed.width(i) for i in range(5)] == [1.0, 0.5, 0.25, 0.125, 0.0625]
+
+
+def test_whale_levels_cold_start_then_the_utility() -> None:
+    """Round 0: empty windows -> level P for all; round 1: p = max(quantise(min(TE SE^beta / U_th, 1)), p_max) with TE
+    from the window (|B| = ceil(n_i / B)) and SE from the smallest width's simulated times, computed here by hand."""
+    part = Subnetwork(u_th=2000.0, T=2.0, beta=2.0, fisher_samples=None)
+    fed = fed_with([part], store([9, 17, 6, 12, 8]))
+    run_rounds(fed, 1)
+    assert set(part.levels.values()) == {5}
+    run_rounds(fed, 1, start=1)
+    for cid in range(5):
+        t_co, t_tr = fed.system.unit_times(cid, 1, steps=2)
+        te = -(-fed.num_samples(cid) // 8) * part.windows[cid][0] ** 0.5  # the window at round 1's start: round 0
+        util = te * (2.0 / (t_co + t_tr)) ** 2
+        assert part.levels[cid] == max(wu.quantise(min(util / 2000.0, 1.0), 5), MAX_LEVELS[SYSTEM["types"][cid]])
+
+
+def test_the_window_holds_the_mean_fi_squared_by_hand() -> None:
+    """One client, full width (a MacBook: p_max 1, fixed), K = 2 full-batch steps: the window gets
+    (FI_0^2 + FI_1^2) / 2 with FI_k the per-sample trace at the k-th step's weights, replayed by hand."""
+    data = store([7])
+    part = Subnetwork(scheduler="fixed", fisher_samples=None)
+    fed = fed_with([part], data, lr=0.1)
+    ref = copy.deepcopy(fed.net)
+    run_rounds(fed, 1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    fis = []
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(ref(data.x), data.y).backward()
+        fis.append(wu.batch_fisher(ref, F.cross_entropy, data.x, data.y, None))
+        opt.step()
+    assert part.windows[0] == pytest.approx([(fis[0] ** 2 + fis[1] ** 2) / 2], rel=1e-9)
+    for a, b in zip(fed.net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_two_clients_at_two_widths_equal_the_hand_merge() -> None:
+    """Clients 0 (width 1) and 1 (width 1/2, prefix), one full-batch step each, norm=none: client i's model is
+    w - eta m_i * grad f_i(m_i * w) at its Scaler width; each entry is the mean over the clients that hold it."""
+    data = store([5, 6])
+    part = Subnetwork(scheduler="fixed")
+    net = cnn(norm="none")
+    fed = fed_with([part], data, net=net, local_steps=1, lr=0.1)
+    w0 = [p.detach().clone() for p in net.parameters()]
+    uploads, masks = [], []
+    for cid, rho in ((0, 1.0), (1, 0.5)):
+        ref = copy.deepcopy(net)
+        m = width_masks(ref, rho, "prefix")
+        with torch.no_grad():
+            for p, mk, w in zip(ref.parameters(), m, w0):
+                p.copy_(w * mk)
+        ref.set_width(rho)
+        rows = data.client_indices[cid]
+        F.cross_entropy(ref(data.x[rows]), data.y[rows]).backward()
+        uploads.append([(p - 0.1 * p.grad * mk).detach() for p, mk in zip(ref.parameters(), m)])
+        masks.append(m)
+    run_rounds(fed, 1)
+    for j, (p, w) in enumerate(zip(net.parameters(), w0)):
+        s = uploads[0][j] * masks[0][j] + uploads[1][j] * masks[1][j]
+        c = masks[0][j] + masks[1][j]
+        torch.testing.assert_close(p.detach(), torch.where(c > 0, s / c.clamp_min(1), w), rtol=0, atol=1e-12)
+
+
+def test_the_random_extractor_is_seeded_by_round_and_client() -> None:
+    a, b = (fed_with([Subnetwork(scheduler="fixed", extractor="random")], store([6] * 5)) for _ in range(2))
+    run_rounds(a, 2)
+    run_rounds(b, 2)
+    for p, q in zip(a.net.parameters(), b.net.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"aggregator": "mean"}, "algo.aggregator"), ({"system": None}, "system=none"), ({"net": "linear"}, "model=")],
+)
+def test_requirements_fail_with_one_line(kw: dict, match: str) -> None:
+    data = store([6, 6])
+    with pytest.raises(ConfigError, match=match) as info:
+        if "system" in kw:
+            make_fed(cnn(), data, parts=[Subnetwork()], **{**CFG, "clients_per_round": 2})
+        elif "net" in kw:
+            flat = ClientStore(data.x.flatten(1), data.y, data.client_indices)
+            fed_with([Subnetwork()], flat, net=nn.Linear(64, 3).double())
+        else:
+            fed_with([Subnetwork()], data, **kw)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_options_rejected() -> None:
+    with pytest.raises(ConfigError, match="algo.scheduler"):
+        Subnetwork(scheduler="greedy")
+    with pytest.raises(ConfigError, match="algo.max_levels"):
+        Subnetwork(max_levels={"Nano": 9})
+
+
+def test_on_top_of_fedprox_the_prox_term_is_masked_too() -> None:
+    """Prox listed first, then the scheduler: masked-out entries stay exactly zero during local training (the prox
+    term -mu w^t there is masked), so mu = 0 equals plain WHALE and mu > 0 changes only the sub-models' entries."""
+    data = store([6, 7, 8, 5, 9])
+    plain = fed_with([Subnetwork()], data)
+    prox0 = fed_with([Prox(0.0), Subnetwork()], data)
+    prox = fed_with([Prox(0.5), Subnetwork()], data)
+    for fed in (plain, prox0, prox):
+        run_rounds(fed, 3)
+    for a, b in zip(plain.net.parameters(), prox0.net.parameters()):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(plain.net.parameters(), prox.net.parameters()))
+    assert all(torch.isfinite(p).all() for p in prox.net.parameters())
+
+
+def test_with_drfa_lambda_sampling_end_to_end() -> None:
+    """DRFA draws the cohort from lambda (repeats as multiplicity), the scheduler sizes whoever is drawn; lambda moves
+    and the levels are set for exactly the drawn clients."""
+    data = store([6, 7, 8, 5, 9, 6])
+    lam, part = LambdaSampling(gamma=0.3, eval_batch=4), Subnetwork(scheduler="se_only", u_th=50.0)
+    fed = fed_with([lam, part], data, clients_per_round=4)
+    for r in range(3):
+        run_rounds(fed, 1, start=r)
+        assert set(part.levels) == set(fed.rnd.cohort)
+    assert not torch.allclose(lam.lam, torch.full((6,), 1 / 6, dtype=torch.float64))
+    assert fed.clock.elapsed > 0
+
+
+def test_state_dict_round_trip() -> None:
+    part = Subnetwork()
+    fed = fed_with([part], store([6, 7]))
+    run_rounds(fed, 2)
+    other = Subnetwork()
+    other.load_state_dict(part.state_dict())
+    assert other.windows == part.windows and len(other.windows[0]) == 2
+
+
+def test_static_bn_is_rebuilt_on_the_training_rows_around_evaluation() -> None:
+    """Validation start: every sBN layer gets the statistics of rebuild_bn_stats over all training rows; epoch end:
+    cleared, so they never outlive the weights."""
+    data = store([6, 7])
+    part = Subnetwork(scheduler="fixed")
+    fed = fed_with([part], data)
+    run_rounds(fed, 1)
+    ref = copy.deepcopy(fed.net)
+    rebuild_bn_stats(ref, data.x, 1024)
+    part.on_validation_epoch_start(None, fed.net)
+    layers = [m for m in fed.net.modules() if isinstance(m, StaticBatchNorm2d)]
+    refs = [m for m in ref.modules() if isinstance(m, StaticBatchNorm2d)]
+    for m, r in zip(layers, refs):
+        torch.testing.assert_close(m.stat_mean, r.stat_mean, rtol=0, atol=0)
+        torch.testing.assert_close(m.stat_var, r.stat_var, rtol=0, atol=0)
+    part.on_validation_epoch_end(None, fed.net)
+    assert all(m.stat_mean is None for m in layers)

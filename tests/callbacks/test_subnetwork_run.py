@@ -1,0 +1,55 @@
+"""``algo=whale system=mobile20 model=cnn_scalable`` through the real entry point (tiny widths, 3 rounds): the levels,
+the Fisher mean, the width and ``sim/clock`` are logged, a time to target is logged once reached, the test accuracy
+is printed; the baselines' configs compose (marked slow: Trainers)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from flx.config import precheck
+from flx.errors import ConfigError
+from flx.run import build, train
+
+pytestmark = pytest.mark.slow
+QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
+TINY = ["model=cnn_scalable", "model.widths=[4,4,8,8]", "partition.num_clients=6", "algo.local_steps=2", *QUIET]
+
+
+def logged(out: Path, key: str) -> list[float]:
+    return [float(r[key]) for r in csv.DictReader(open(out / "csv" / "metrics.csv")) if r.get(key)]
+
+
+def test_whale_logs_levels_fisher_and_the_clock(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cfg = precheck(
+        ["algo=whale", "system=mobile20", *TINY, "algo.rounds=3", "algo.target_acc=0.0", f"paths.output_dir={out}"]
+    )
+    metrics = train(cfg)
+    assert "test/acc" in metrics
+    clock = logged(out, "sim/clock")
+    assert len(clock) == 3 and clock[0] < clock[1] < clock[2]
+    levels = [logged(out, f"whale/level_{p}") for p in range(1, 6)]
+    assert all(len(v) == 3 for v in levels)
+    assert [sum(v[r] for v in levels) for r in range(3)] == [6.0, 6.0, 6.0]  # every client, every round
+    assert [v[0] for v in levels] == [0.0, 0.0, 0.0, 0.0, 6.0]  # cold start: the smallest level
+    assert all(f > 0 for f in logged(out, "whale/fi_mean"))
+    assert logged(out, "sim/time_to_target") == pytest.approx([clock[0]] * 3, rel=1e-6)  # reached in round 1
+
+
+@pytest.mark.parametrize("algo", ["heterofl", "fedrolex", "feddropout", "whale_rolex", "whale_dropout"])
+def test_baseline_configs_build(tmp_path: Path, algo: str) -> None:
+    _, _, trainer = build(precheck([f"algo={algo}", "system=mobile20", *TINY, f"paths.output_dir={tmp_path}"]))
+    part = next(cb for cb in trainer.callbacks if type(cb).__name__ == "Subnetwork")
+    assert part.params.extractor == {"heterofl": "prefix", "whale_rolex": "rolling", "fedrolex": "rolling"}.get(
+        algo, "random"
+    )
+    assert part.params.scheduler == ("whale" if algo.startswith("whale") else "fixed")
+
+
+def test_whale_without_a_system_fails_with_one_line(tmp_path: Path) -> None:
+    cfg = precheck(["algo=whale", *TINY, "algo.rounds=1", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="system=none"):
+        train(cfg)
