@@ -30,9 +30,17 @@ def mean_std(values: Sequence[float], scale: float = 1.0, digits: int | None = N
     return f"{mean:.{d}f} ± {std:.{d}f}"
 
 
-def plot_curves(path: Path, title: str, curves: dict[str, dict], keys: Sequence[str], log: Sequence[str] = ()) -> None:
-    """One panel per metric of ``keys`` (its ``(round, value)`` curve for each method of ``curves``; keys in ``log``
-    on a log scale), saved to ``path``."""
+def plot_curves(
+    path: Path,
+    title: str,
+    curves: dict[str, dict],
+    keys: Sequence[str],
+    log: Sequence[str] = (),
+    xlabel: str = "communication round",
+) -> None:
+    """One panel per metric of ``keys`` (its ``(x, value)`` curve for each method of ``curves``, x the round unless
+    the caller mapped it, e.g. to simulated time, and says so in ``xlabel``; keys in ``log`` on a log scale), saved
+    to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +53,7 @@ def plot_curves(path: Path, title: str, curves: dict[str, dict], keys: Sequence[
                 ax.plot(*zip(*curve[key]), label=name, linewidth=1.2)
         if key in log:
             ax.set_yscale("log")
-        ax.set_xlabel("communication round")
+        ax.set_xlabel(xlabel)
         ax.set_title(f"{key} (seed 0)", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)

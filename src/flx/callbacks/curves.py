@@ -50,6 +50,11 @@ TRACKED = (
     # simulated wall-clock (flx.systems, docs/systems.md): an x-axis, not a curve of the panels
     "sim/round_time",
     "sim/clock",
+    # sub-network scheduling (flx.callbacks.subnetwork, docs/whale.md): recorded for the reproduction's traces, not
+    # plotted in the panels (counts and widths are not accuracies)
+    "whale/width_mean",
+    "whale/fi_mean",
+    *(f"whale/level_{p}" for p in range(1, 9)),
 )
 CLOCK = "sim/clock"
 EVAL_ONLY = (
@@ -117,7 +122,7 @@ class RoundCurves(pl.Callback):
         fig, axes = plt.subplots(1, 3 if clock else 2, figsize=(15 if clock else 10, 3.6))
         ax_loss, ax_acc = axes[:2]
         for key, points in self.history.items():
-            if key.startswith("sim/"):
+            if key.startswith(("sim/", "whale/")):
                 continue
             is_loss = any(k in key for k in ("loss", "mse", "objective"))
             (ax_loss if is_loss else ax_acc).plot(*zip(*points), marker="o", markersize=2.5, label=key)
