@@ -85,7 +85,7 @@ def test_the_window_holds_the_mean_fi_squared_by_hand() -> None:
     """One client, full width (a MacBook: p_max 1, fixed), K = 2 full-batch steps: the window gets
     (FI_0^2 + FI_1^2) / 2 with FI_k the per-sample trace at the k-th step's weights, replayed by hand."""
     data = store([7])
-    part = Subnetwork(scheduler="fixed", fisher_samples=None)
+    part = Subnetwork(scheduler="fixed", fisher_samples=None, track_fisher=True)  # fixed tracks it only on request
     fed = fed_with([part], data, lr=0.1)
     ref = copy.deepcopy(fed.net)
     run_rounds(fed, 1)
@@ -214,3 +214,15 @@ def test_static_bn_is_rebuilt_on_the_training_rows_around_evaluation() -> None:
         torch.testing.assert_close(m.stat_var, r.stat_var, rtol=0, atol=0)
     part.on_validation_epoch_end(None, fed.net)
     assert all(m.stat_mean is None for m in layers)
+
+
+def test_schedulers_that_never_read_te_skip_the_fisher() -> None:
+    """The per-batch Fisher is the costliest part of a round: ``fixed`` / ``full`` / ``se_only`` skip it unless
+    ``track_fisher`` asks, and then log no ``whale/fi_mean``; ``whale`` and ``te_only`` always track it."""
+    assert Subnetwork(scheduler="whale").track_fisher and Subnetwork(scheduler="te_only").track_fisher
+    part = Subnetwork(scheduler="fixed")
+    assert not part.track_fisher and not Subnetwork(scheduler="full").track_fisher
+    fed = fed_with([part], store([7]), lr=0.1)
+    run_rounds(fed, 1)
+    assert part.windows[0] == [] and "whale/fi_mean" not in part._log
+

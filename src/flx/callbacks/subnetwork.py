@@ -74,6 +74,7 @@ class SubnetworkParams:
     bn_batch: int = 1024
     target_acc: float | None = None
     target_metric: str = "val/acc"
+    track_fisher: bool | None = None  # None: only when the scheduler reads TE (whale, te_only)
 
 
 class Subnetwork(FederatedCallback):
@@ -106,6 +107,8 @@ class Subnetwork(FederatedCallback):
         self._fed: Federation | None = None
         self._log: dict[str, float] = {}
         self._utils: list[float] = []  # this round's Util values (for calibrating U_th: whale/util_median)
+        # the per-batch Fisher is the costliest part of a round; the fixed / full / SE-only schedulers never read it
+        self.track_fisher = p.track_fisher if p.track_fisher is not None else p.scheduler in ("whale", "te_only")
 
     # ------------------------------------------------------------------ setup
     @override
@@ -166,13 +169,14 @@ class Subnetwork(FederatedCallback):
         fed.net.set_width(1.0)  # also after a dropped last client, whose on_client_end never ran
         fi2, left_out = fed.stat(_FI2), set(fed.faults.dropped) | set(fed.faults.skipped)
         trained = [c for c in rnd.cohort if c not in left_out]
-        for cid in trained:
+        for cid in trained if self.track_fisher else ():
             self.windows[cid] = [*self.windows[cid], float(fi2[cid])][-self.params.D :]
         counts = {q: sum(v == q for v in self.levels.values()) for q in range(1, self.params.levels + 1)}
         self._log = {f"whale/level_{q}": float(k) for q, k in counts.items()}
         self._log["whale/width_mean"] = sum(fed.width(c) for c in rnd.cohort) / max(len(rnd.cohort), 1)
         rms = [math.sqrt(max(float(fi2[c]), 0.0)) for c in trained]
-        self._log["whale/fi_mean"] = sum(rms) / len(rms) if rms else 0.0
+        if self.track_fisher:
+            self._log["whale/fi_mean"] = sum(rms) / len(rms) if rms else 0.0
         if self._utils:
             self._log["whale/util_median"] = sorted(self._utils)[len(self._utils) // 2]
 
@@ -195,6 +199,8 @@ class Subnetwork(FederatedCallback):
     @override
     def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
         mask_grads(fed.params, client.masks)
+        if not self.track_fisher:
+            return
         x, y = client.batch
         gen = client.extras.get("whale_labels")
         p = self.params
