@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_fed, run_rounds
+from helpers import make_fed, raises_one_line, run_rounds
 from torch import nn
 
 from flx.callbacks import whale_utility as wu
@@ -226,3 +226,14 @@ def test_schedulers_that_never_read_te_skip_the_fisher() -> None:
     run_rounds(fed, 1)
     assert part.windows[0] == [] and "whale/fi_mean" not in part._log
 
+
+def test_fisher_batches_keeps_the_first_steps_only() -> None:
+    """``fisher_batches=1``: the window gets FI_0^2 of the round's first step alone (K = 2 full-batch steps)."""
+    data = store([7])
+    part = Subnetwork(scheduler="fixed", fisher_samples=None, track_fisher=True, fisher_batches=1)
+    fed = fed_with([part], data, lr=0.1)
+    ref = copy.deepcopy(fed.net)
+    run_rounds(fed, 1)
+    fi0 = wu.batch_fisher(ref, F.cross_entropy, data.x, data.y, None)
+    assert part.windows[0] == pytest.approx([fi0**2], rel=1e-9)
+    raises_one_line(Subnetwork, fisher_batches=0, match="algo.fisher_batches")

@@ -62,6 +62,7 @@ class SubnetworkParams:
     extractor: str = "prefix"
     fisher: str = "trace_empirical"
     fisher_samples: int | None = 8
+    fisher_batches: int | None = None  # FI on the round's first this many local steps only (None: every step)
     beta: float = 2.0
     u_th: float = 20000.0
     T: float = 20.0
@@ -97,6 +98,8 @@ class Subnetwork(FederatedCallback):
                 raise bad_value(f"algo.{key}", value, "must be > 0")
         if p.fisher_samples is not None and p.fisher_samples < 1:
             raise bad_value("algo.fisher_samples", p.fisher_samples, ">= 1, or null for the whole batch")
+        if p.fisher_batches is not None and p.fisher_batches < 1:
+            raise bad_value("algo.fisher_batches", p.fisher_batches, ">= 1, or null for every local step")
         if p.D < 1 or p.levels < 1:
             raise bad_value("algo.D" if p.D < 1 else "algo.levels", min(p.D, p.levels), "must be >= 1")
         if any(not 1 <= v <= p.levels for v in p.max_levels.values()):
@@ -199,8 +202,9 @@ class Subnetwork(FederatedCallback):
     @override
     def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
         mask_grads(fed.params, client.masks)
-        if not self.track_fisher:
-            return
+        last = self.params.fisher_batches
+        if not self.track_fisher or (last is not None and client.step >= last):
+            return  # an approximation of TE for cost: the mean of FI^2 over the round's first steps only
         x, y = client.batch
         gen = client.extras.get("whale_labels")
         p = self.params
