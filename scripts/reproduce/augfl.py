@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_CPU, mean_std, plot_curves  # noqa: E402
+from common import QUIET_CPU, data_available, mean_std, plot_curves  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "augfl"
 BASE = [
@@ -87,21 +87,7 @@ def run(args: list[str], seed: int, rounds: int, every: int) -> tuple[dict, dict
 
 
 def available(setting: str) -> bool:
-    """Whether the setting's data load (the embedded digits always do); prints why not."""
-    if setting == "digits":
-        return True
-    from flx.config import precheck
-    from flx.errors import ConfigError
-
-    try:
-        cfg = precheck([*BASE, *SETTINGS[setting][1], "paths.output_dir=/tmp/augfl_probe"])
-        from hydra.utils import instantiate
-
-        instantiate(cfg.data.loader)()
-        return True
-    except (ConfigError, FileNotFoundError, OSError, RuntimeError) as e:
-        print(f"skipping {setting}: {str(e).splitlines()[0]}", flush=True)
-        return False
+    return data_available(setting, [*BASE, *SETTINGS[setting][1]])
 
 
 def main(argv: list[str]) -> None:

@@ -62,3 +62,21 @@ def plot_curves(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def data_available(setting: str, overrides: Sequence[str]) -> bool:
+    """Whether the data of a run with ``overrides`` load (the embedded ``digits`` always do); prints why not."""
+    if setting == "digits":
+        return True
+    from hydra.utils import instantiate
+
+    from flx.config import precheck
+    from flx.errors import ConfigError
+
+    try:
+        cfg = precheck([*overrides, "paths.output_dir=/tmp/flx_data_probe"])
+        instantiate(cfg.data.loader)()
+        return True
+    except (ConfigError, FileNotFoundError, OSError, RuntimeError) as e:
+        print(f"skipping {setting}: {str(e).splitlines()[0]}", flush=True)
+        return False

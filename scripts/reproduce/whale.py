@@ -69,7 +69,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_CPU, mean_std, plot_curves  # noqa: E402
+from common import QUIET_CPU, data_available, mean_std, plot_curves  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "whale"
 BASE = [
@@ -160,21 +160,7 @@ def width_trace(curve: dict) -> dict:
 
 
 def available(setting: str) -> bool:
-    """Whether the setting's data load (the embedded digits always do); prints why not."""
-    if setting == "digits":
-        return True
-    from hydra.utils import instantiate
-
-    from flx.config import precheck
-    from flx.errors import ConfigError
-
-    try:
-        cfg = precheck(["algo=whale", *BASE, *SETTINGS[setting][1], "paths.output_dir=/tmp/whale_probe"])
-        instantiate(cfg.data.loader)()
-        return True
-    except (ConfigError, FileNotFoundError, OSError, RuntimeError) as e:
-        print(f"skipping {setting}: {str(e).splitlines()[0]}", flush=True)
-        return False
+    return data_available(setting, ["algo=whale", *BASE, *SETTINGS[setting][1]])
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
