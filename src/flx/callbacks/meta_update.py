@@ -161,7 +161,3 @@ class MetaUpdate(FederatedCallback):
                 torch._foreach_mul_(floats, p.rho)
         client.weight = p.rho
         return loss
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {}
