@@ -1,7 +1,7 @@
 """Reproduce WHALE-FL's comparison (Tables 1-3 shape: time to target, final accuracy, data heterogeneity; digest
 whale-fl.md §5-6).
 
-    .venv/bin/python scripts/reproduce/whale.py                        # embedded digits, sigma = 2, 3 seeds, 100 rounds
+    .venv/bin/python scripts/reproduce/whale.py                        # embedded digits, sigma = 2, 3 seeds, 30 rounds
     .venv/bin/python scripts/reproduce/whale.py --sigma 2 5 10         # Table 3's sweep (sigma = 10: IID)
     .venv/bin/python scripts/reproduce/whale.py --quick                # 1 seed, 2 rounds, tiny CNN (smoke)
     .venv/bin/python scripts/reproduce/whale.py --settings mnist cifar10   # needs the files under paths.data_dir
@@ -34,20 +34,21 @@ Settings (``--settings``):
 
 - ``digits`` (default): the embedded 8x8 digits (1,437 training rows, ~72 a client), ``model=cnn_scalable`` with
   widths [32, 64, 128, 256] (half the paper's [64, 128, 256, 512], for CPU cost; the simulated time does not depend
-  on it), 100 rounds (the code's 200 halved; ``algo.rounds`` default), test every round, target 85% (the paper's MNIST
-  target; Table 3: 85 / 90 / 95% for sigma = 2 / 5 / 10, the paper's). The digits are easier than MNIST: in a
-  4-round probe (seed 0, sigma = 2) FedAvg passed 85% after round 1 (95.8% after 4), so 85% resolves only the first
-  rounds; ``--target 0.95`` is the sharper comparison. Cost on the 2-core CPU (busy): ~8-9 s a round for every method
-  (the per-sample Fisher runs in every method's local steps), so 7 methods x 3 seeds x 100 rounds ~ 5 h a sigma;
+  on it), 30 rounds (for CPU cost; FedAvg is at ~97% after 10), test every round, target 85% (the paper's MNIST
+  target; Table 3: 85 / 90 / 95% for sigma = 2 / 5 / 10, the paper's). Cost on the 2-core CPU: ~1.3 s a round for
+  FedAvg and the fixed-width baselines, ~4 s for the WHALE variants (the exact per-sample Fisher on every batch), so
+  a sigma (7 methods x 3 seeds) takes ~25 min. Runs are stored in ``OUT/runs/`` by their overrides: a second call
+  reads them back, so the sweep resumes after an interruption and several processes (e.g. one per ``--sigma``) can
+  fill the store before one call with every sigma writes the tables;
 - ``mnist``: ``data=mnist``, the paper's CNN [64, 128, 256, 512], 200 rounds, test every 2 rounds, targets as digits;
 - ``cifar10``: ``data=cifar10 model=resnet18_scalable``, lr 0.1, 200 rounds, test every 5 rounds, target 70% (every
   sigma: the paper has no CIFAR-10 column in Table 3). mnist and cifar10 are skipped with a message when their files
   are not under ``paths.data_dir``.
 
-Fisher information: ``algo.fisher=trace_empirical`` with ``fisher_samples=8`` (the trace of the empirical Fisher on the
-batch's first 8 rows, unbiased; whale.yaml's default). ``--set algo.fisher=max_tensor_mean`` (the authors' cheaper
-reduction) changes the FI scale, so U_th would need recalibrating. ``--quick``: 1 seed, 2 rounds, widths
-[8, 16, 32, 64], ``max_tensor_mean`` and U_th = 1e-3 (a smoke test of the pipeline and outputs, not of the results).
+Fisher information: ``algo.fisher=trace_empirical`` on the whole batch (whale.yaml's default).
+``--set algo.fisher=max_tensor_mean`` (the authors' cheaper reduction) changes the FI scale, so U_th would need
+recalibrating. ``--quick``: 1 seed, 2 rounds, widths [8, 16, 32, 64], ``max_tensor_mean`` and U_th = 1e-3 (a smoke
+test of the pipeline and outputs, not of the results; its output goes to a temporary folder unless ``--out`` is given).
 
 Writes ``docs/results/whale/{table.md,table.csv,<setting>_sigma<s>_time.png,<setting>_sigma<s>_width.png}``;
 ``table.md`` holds Table 1 (time to target, WHALE variant vs base), Table 2 (final accuracy) for the first sigma of
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import os
@@ -82,7 +84,7 @@ BASE = [
 PAPER_TARGETS = {2: 0.85, 5: 0.90, 10: 0.95}  # Table 3 (CNN@MNIST); sigma = 2 is Table 1's MNIST target
 # setting -> (label, overrides, rounds, eval_every, targets per sigma (None: PAPER_TARGETS), default target)
 SETTINGS = {
-    "digits": ("digits (embedded 8x8), CNN [32,64,128,256]", ["data=digits", "model.widths=[32,64,128,256]"], 100, 1),
+    "digits": ("digits (embedded 8x8), CNN [32,64,128,256]", ["data=digits", "model.widths=[32,64,128,256]"], 30, 1),
     "mnist": ("MNIST, CNN [64,128,256,512]", ["data=mnist"], 200, 2),
     "cifar10": ("CIFAR-10, ResNet18", ["data=cifar10", "model=resnet18_scalable", "algo.lr=0.1"], 200, 5),
 }
@@ -103,15 +105,27 @@ QUICK = ["model.widths=[8,16,32,64]", "algo.fisher=max_tensor_mean", "algo.u_th=
 
 
 def run(args: list[str], seed: int, sigma: int, rounds: int, every: int) -> tuple[dict, dict]:
+    """One training run; its result is kept in ``OUT/runs/`` under its overrides, and a later call with the same
+    overrides reads it back (so the sweep resumes, and several processes can fill the store for one table)."""
     from flx.config import precheck
     from flx.run import train
 
+    # algo= first (it selects partition/model defaults), then the protocol's overrides on top
+    over = [*args[:1], *BASE, *args[1:], f"partition.classes_per_client={sigma}", f"partition.seed={seed}"]
+    over += [f"system.trace_seed={seed}", f"seed={seed}", f"algo.rounds={rounds}", f"eval_every={every}"]
+    key = hashlib.sha256(json.dumps(over).encode()).hexdigest()[:16]
+    stored = OUT / "runs" / f"{key}.json"
+    if stored.exists():
+        record = json.loads(stored.read_text())
+        return record["final"], record["curves"]
     with tempfile.TemporaryDirectory() as out:
-        # algo= first (it selects partition/model defaults), then the protocol's overrides on top
-        over = [*args[:1], *BASE, *args[1:], f"partition.classes_per_client={sigma}", f"partition.seed={seed}"]
-        over += [f"system.trace_seed={seed}", f"seed={seed}", f"algo.rounds={rounds}", f"eval_every={every}"]
         final = train(precheck([*over, f"paths.output_dir={out}"]))
         curves = json.loads((Path(out) / "curves.json").read_text())
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    final = {k: float(v) for k, v in final.items()}
+    tmp = stored.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"overrides": over, "final": final, "curves": curves}))
+    tmp.replace(stored)
     return final, curves
 
 
@@ -187,7 +201,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for every run")
     args = parser.parse_args(argv)
-    OUT = Path(args.out) if args.out else OUT
+    OUT = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="whale-quick-")) if args.quick else OUT
     seeds = args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")

@@ -61,7 +61,7 @@ class SubnetworkParams:
     scheduler: str = "whale"
     extractor: str = "prefix"
     fisher: str = "trace_empirical"
-    fisher_samples: int | None = 8
+    fisher_samples: int | None = None
     fisher_batches: int | None = None  # FI on the round's first this many local steps only (None: every step)
     beta: float = 2.0
     u_th: float = 20000.0

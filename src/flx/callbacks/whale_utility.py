@@ -19,11 +19,13 @@ Level ``p`` trains width ``s^(p-1)`` (``s = 1/2``). ``T^co, T^tr`` are the small
 
 - ``trace_empirical`` (default): ``tr F_emp = (1/|b|) sum_{n in b} ||grad_W l(x_n, y_n)||^2`` over the sub-model's
   entries. The squared norm of the batch gradient is *not* this (it is ``||mean_n g_n||^2``); the per-sample
-  gradients come from ``torch.func`` (``vmap`` of ``grad`` over the batch, in chunks). Static BatchNorm layers
+  norms come from one forward and backward of the batch (:mod:`flx.models.per_sample`: the Gram form per layer,
+  about 3 training steps' cost), or from ``torch.func`` (``vmap`` of ``grad``, in chunks; tens of training steps on a
+  CPU) for nets with other layers (LayerNorm, embeddings). Static BatchNorm layers
   normalise each sample with the **batch's** statistics, held constant (captured by a no-grad forward of the batch),
   so each sample's output is exactly its output in the batch and its gradient is that of its own loss with the
-  statistics fixed. On a CPU the per-sample pass costs tens of training steps, so ``samples`` (the part's
-  ``fisher_samples``) limits it to the batch's first ``samples`` rows: the minibatch is a uniform draw without
+  statistics fixed. ``samples`` (the part's ``fisher_samples``, default all) limits it to the batch's first
+  ``samples`` rows: the minibatch is a uniform draw without
   replacement, so its first rows are too, and their mean is an unbiased estimate of the batch's trace;
 - ``trace_sampled``: the same with labels drawn from the model's predictive distribution ``softmax(f(x))`` (the
   "true" Fisher of Eq. 3, as FedFIM), from a generator the caller seeds;
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from flx.models.per_sample import sq_norms
 from flx.models.scalable import StaticBatchNorm2d
 
 FISHER = ("trace_empirical", "trace_sampled", "max_tensor_mean")
@@ -156,6 +159,9 @@ def per_sample_sq_norms(
     try:
         for m in layers:  # sBN in eval with the batch's statistics: the Scalers stay in training mode
             m.training, (m.stat_mean, m.stat_var) = False, frozen.get(m, (m.stat_mean, m.stat_var))
+        fast = sq_norms(net, loss_fn, x, y, masks)  # one forward and backward; None: a layer it cannot handle
+        if fast is not None:
+            return fast.detach()
         return torch.func.vmap(sq_norm, chunk_size=chunk_size)(x, y).detach()
     finally:
         for m, training, mean, var in saved:
