@@ -5,9 +5,11 @@ is printed; the baselines' configs compose (marked slow: Trainers)."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flx.config import precheck
 from flx.errors import ConfigError
@@ -37,6 +39,42 @@ def test_whale_logs_levels_fisher_and_the_clock(tmp_path: Path) -> None:
     assert [v[0] for v in levels] == [0.0, 0.0, 0.0, 0.0, 6.0]  # cold start: the smallest level
     assert all(f > 0 for f in logged(out, "whale/fi_mean"))
     assert logged(out, "sim/time_to_target") == pytest.approx([clock[0]] * 3, rel=1e-6)  # reached in round 1
+    # whale.json: per round and client the level and sqrt(mean FI^2), and the clock; the logged values are its sums
+    history = json.loads((out / "whale.json").read_text())["rounds"]
+    assert [h["round"] for h in history] == [0, 1, 2] and [h["clock"] for h in history] == pytest.approx(clock)
+    for r, h in enumerate(history):
+        assert [list(h["level"].values()).count(p) for p in range(1, 6)] == [v[r] for v in levels]
+        assert sum(h["fi"].values()) / len(h["fi"]) == pytest.approx(logged(out, "whale/fi_mean")[r], rel=1e-6)
+
+
+def test_whale_resume_equals_uninterrupted_and_writes_wandb_plots(tmp_path: Path, monkeypatch) -> None:
+    """4 rounds == 2 + 2 from the checkpoint: the model, the Fisher windows, the level history and the clock. The
+    uninterrupted run logs to W&B offline: the level / Fisher histograms each round, the history table at the end."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    base = ["algo=whale", "system=mobile20", *TINY]
+    train(precheck([*base, "algo.rounds=4", "logger=wandb", f"paths.output_dir={tmp_path / 'a'}"]))
+    import wandb
+
+    wandb.finish()  # flush the offline run before reading it
+    train(precheck([*base, "algo.rounds=2", "logger=none", f"paths.output_dir={tmp_path / 'b'}"]))
+    ckpt = tmp_path / "b" / "checkpoints" / "last.ckpt"
+    train(precheck([*base, "algo.rounds=4", "logger=none", f"ckpt_path={ckpt}", f"paths.output_dir={tmp_path / 'c'}"]))
+    a, c = (torch.load(tmp_path / r / "checkpoints" / "last.ckpt", weights_only=False) for r in "ac")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    (key,) = [k for k in a["callbacks"] if "Subnetwork" in k]
+    part_a, part_c = a["callbacks"][key], c["callbacks"][key]
+    assert part_a["windows"] == part_c["windows"] and len(part_a["windows"][0]) == 4
+    assert part_a["history"] == part_c["history"] and len(part_a["history"]) == 4
+    levels = [sorted(h["level"].values()) for h in part_a["history"]]
+    assert levels[0] == [5] * 6 and levels[-1] != levels[0], levels  # cold start, then the utility moves them
+    assert json.loads((tmp_path / "c" / "whale.json").read_text())["rounds"] == json.loads(
+        json.dumps(part_a["history"])
+    )
+    (run,) = (tmp_path / "a" / "wandb").rglob("*.wandb")
+    raw = run.read_bytes()
+    assert all(k in raw for k in (b"whale/level_hist", b"whale/fi_hist", b"whale/history", b"whale/fisher_trace"))
 
 
 @pytest.mark.parametrize("algo", ["heterofl", "fedrolex", "feddropout", "whale_rolex", "whale_dropout"])

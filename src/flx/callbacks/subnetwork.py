@@ -26,7 +26,9 @@ Symbols: ``beta``, ``u_th`` (``U_th``), ``T``, ``D``, ``P`` (``levels``), ``s``.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,6 +112,8 @@ class Subnetwork(FederatedCallback):
         self._fed: Federation | None = None
         self._log: dict[str, float] = {}
         self._utils: list[float] = []  # this round's Util values (for calibrating U_th: whale/util_median)
+        # per round: {"round", "clock", "level": {cid: p}, "fi": {cid: sqrt(mean FI^2)}} -> whale.json, W&B
+        self.history: list[dict[str, Any]] = []
         # the per-batch Fisher is the costliest part of a round; the fixed / full / SE-only schedulers never read it
         self.track_fisher = p.track_fisher if p.track_fisher is not None else p.scheduler in ("whale", "te_only")
 
@@ -182,6 +186,9 @@ class Subnetwork(FederatedCallback):
             self._log["whale/fi_mean"] = sum(rms) / len(rms) if rms else 0.0
         if self._utils:
             self._log["whale/util_median"] = sorted(self._utils)[len(self._utils) // 2]
+        fis = dict(zip(trained, rms)) if self.track_fisher else {}
+        clock = fed.clock.elapsed if fed.clock is not None else None
+        self.history.append({"round": rnd.round, "clock": clock, "level": dict(self.levels), "fi": fis})
 
     # ------------------------------------------------------------------ client: masks, gradients, Fisher
     @override
@@ -254,13 +261,55 @@ class Subnetwork(FederatedCallback):
             values["sim/time_to_target"] = self.time_to_target
         if values:
             pl_module.log_dict(values, on_epoch=True)
+        if self.history and trainer.is_global_zero:
+            for logger in _wandb_loggers(trainer):  # the per-round histograms: W&B draws them over the rounds
+                import wandb
+
+                last = self.history[-1]
+                hists = {"whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=p.levels)}
+                if last["fi"]:
+                    hists["whale/fi_hist"] = wandb.Histogram(list(last["fi"].values()))
+                logger.log_metrics(hists, step=trainer.global_step)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``whale.json`` (every round's level and Fisher value per client, and the simulated clock) next to
+        ``curves.json``; with W&B, the same as a table ``whale/history`` and a line plot of the Fisher trace."""
+        if not trainer.is_global_zero or not self.history or trainer.fast_dev_run:
+            return
+        os.makedirs(trainer.default_root_dir, exist_ok=True)
+        with open(os.path.join(trainer.default_root_dir, "whale.json"), "w") as f:
+            json.dump({"rounds": self.history}, f)
+        loggers = _wandb_loggers(trainer)
+        if not loggers:
+            return
+        import wandb
+
+        columns = ["round", "sim_clock", "client", "device", "level", "width", "fisher"]
+        table = wandb.Table(columns=columns)
+        fed = self._fed
+        for h in self.history:
+            for cid, lvl in h["level"].items():
+                device = fed.system.device_type(cid) if fed is not None else ""
+                table.add_data(h["round"], h["clock"], cid, device, lvl, wu.width(lvl, self.params.s), h["fi"].get(cid))
+        plots = {"whale/history": table}
+        if any(h["fi"] for h in self.history):
+            plots["whale/fisher_trace"] = wandb.plot.line(table, "sim_clock", "fisher", title="Fisher trace per client")
+        for logger in loggers:
+            logger.experiment.log(plots)
 
     # ------------------------------------------------------------------ checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"windows": [list(w) for w in self.windows], "time_to_target": self.time_to_target}
+        windows = [list(w) for w in self.windows]
+        return {"windows": windows, "time_to_target": self.time_to_target, "history": self.history}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.windows = [list(w) for w in state_dict["windows"]]
         self.time_to_target = state_dict.get("time_to_target")
+        self.history = list(state_dict.get("history", []))
+
+
+def _wandb_loggers(trainer: pl.Trainer) -> list[Any]:
+    return [lg for lg in trainer.loggers if type(lg).__name__ == "WandbLogger"]
