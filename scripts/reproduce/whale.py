@@ -50,7 +50,9 @@ Fisher information: ``algo.fisher=trace_empirical`` on the whole batch (whale.ya
 recalibrating. ``--quick``: 1 seed, 2 rounds, widths [8, 16, 32, 64], ``max_tensor_mean`` and U_th = 1e-3 (a smoke
 test of the pipeline and outputs, not of the results; its output goes to a temporary folder unless ``--out`` is given).
 
-Writes ``docs/results/whale/{table.md,table.csv,<setting>_sigma<s>_time.png,<setting>_sigma<s>_width.png}``;
+Writes ``docs/results/whale/{table.md,table.csv}`` and per setting and sigma ``<setting>_sigma<s>_time.png`` (test
+accuracy and loss over simulated hours), ``_width.png`` (the WHALE variants' mean width, mean level and Fisher trace)
+and ``_levels.png`` (clients per level per round);
 ``table.md`` holds Table 1 (time to target, WHALE variant vs base), Table 2 (final accuracy) for the first sigma of
 ``--sigma`` and Table 3 (hours to target, speedup vs FedAvg) over the sigmas.
 """
@@ -163,14 +165,44 @@ def on_clock(curve: dict, keys: tuple[str, ...]) -> dict:
 
 
 def width_trace(curve: dict) -> dict:
-    """Mean width and mean level (sum_p p * count_p / clients) per round."""
+    """Mean width, mean level (sum_p p * count_p / clients) and the Fisher trace (mean over clients of
+    sqrt(mean FI^2)) per round, on the simulated clock."""
     levels = {int(k.rsplit("_", 1)[1]): dict(v) for k, v in curve.items() if k.startswith("whale/level_")}
     rounds = sorted(set().union(*(v.keys() for v in levels.values()))) if levels else []
     mean_level = []
     for r in rounds:
         total = sum(v.get(r, 0.0) for v in levels.values())
         mean_level.append((r, sum(p * v.get(r, 0.0) for p, v in levels.items()) / total if total else math.nan))
-    return {"whale/width_mean": curve.get("whale/width_mean", []), "mean level p": mean_level}
+    trace = {"whale/width_mean": curve.get("whale/width_mean", []), "mean level p": mean_level}
+    trace["whale/fi_mean"] = curve.get("whale/fi_mean", [])
+    clock = dict(curve.get("sim/clock", []))
+    return {k: [(clock[r] / 3600, v) for r, v in pts if r in clock] for k, pts in trace.items()}
+
+
+def plot_levels(path: Path, title: str, curves: dict[str, dict], levels: int = 5) -> None:
+    """Per WHALE variant (seed 0), the clients at each level per round, stacked: the level histogram over rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.7 * len(curves), 3.6), squeeze=False)
+    for ax, (name, curve) in zip(axes[0], curves.items()):
+        counts = [dict(curve.get(f"whale/level_{p}", [])) for p in range(1, levels + 1)]
+        rounds = sorted(counts[0])
+        bottom = [0.0] * len(rounds)
+        for p, c in enumerate(counts, start=1):
+            height = [c.get(r, 0.0) for r in rounds]
+            ax.bar(rounds, height, width=1.0, bottom=bottom, label=f"level {p} (width 1/{2 ** (p - 1)})")
+            bottom = [b + h for b, h in zip(bottom, height)]
+        ax.set_xlabel("communication round")
+        ax.set_ylabel("clients")
+        ax.set_title(f"{name} (seed 0)", fontsize=9)
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def available(setting: str) -> bool:
@@ -249,7 +281,9 @@ def main(argv: list[str]) -> None:
             plot_curves(OUT / f"{tag}_time.png", title, timed, ("test/acc", "train/loss"), xlabel="simulated hours")
             widths = {m: width_trace(c) for m, c in curves.items() if m in WHALE}
             if widths:
-                plot_curves(OUT / f"{tag}_width.png", title, widths, ("whale/width_mean", "mean level p"))
+                keys = ("whale/width_mean", "mean level p", "whale/fi_mean")
+                plot_curves(OUT / f"{tag}_width.png", title, widths, keys, xlabel="simulated hours")
+                plot_levels(OUT / f"{tag}_levels.png", title, {m: c for m, c in curves.items() if m in WHALE})
             if not first:
                 continue
             head = f"### {label}, sigma = {sigma}, {rounds} rounds, test every {every}"
