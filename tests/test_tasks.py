@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from flx.config import precheck
 from flx.datamodules.datamodule import ClientStore
+from flx.datamodules.store import TensorData
 from flx.run import build
-from flx.tasks import Classification, Custom, Regression
+from flx.tasks import Classification, Custom, MaskedLM, Regression
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["callbacks=none", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
@@ -195,3 +196,85 @@ def test_precheck_names_the_bad_task_key_in_one_line() -> None:
     for args, match in cases:
         raises_one_line(precheck, args, match=match)
     assert precheck([*DIABETES, "partition=quantity_skew"]) is not None
+
+
+# ----------------------------------------------------------------------------------------------------- masked LM
+L2, L3 = math.log(2.0), math.log(3.0)
+Z = [0.0, 0.0, 0.0]  # softmax 1/3 each; [log 2, 0, 0]: (1/2, 1/4, 1/4)
+
+
+def _lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two batches of logits ``(1, L, 3)`` and token targets: A scores 1 of 2 positions (word 0 at ``(1/2, 1/4,
+    1/4)``: loss ``log 2``, right), B all 3 (word 1 at ``(1/2, 1/4, 1/4)``: ``log 4``, wrong; word 2 at uniform:
+    ``log 3``, wrong (argmax ties pick word 0); word 1 at ``(1/4, 1/2, 1/4)``: ``log 2``, right)."""
+    a = (torch.tensor([[[L2, 0.0, 0.0], [0.0, 5.0, 0.0]]]), torch.tensor([[0, -100]]))
+    b = (torch.tensor([[[L2, 0.0, 0.0], Z, [0.0, L2, 0.0]]]), torch.tensor([[1, 2, 1]]))
+    return [a, b]
+
+
+def test_masked_lm_loss_is_the_mean_over_scored_positions() -> None:
+    """``l = (1/|S|) sum_{S} -log softmax(o)_y`` over the positions with a target (not -100); 0, with a zero
+    gradient, when nothing is scored; equal to ``F.cross_entropy(ignore_index=-100)`` otherwise."""
+    task = MaskedLM()
+    (oa, ya), (ob, yb) = _lm_batches()
+    assert task.loss(oa, ya).item() == pytest.approx(L2, rel=1e-6)
+    assert task.loss(ob, yb).item() == pytest.approx((2 * L2 + L3 + L2) / 3, rel=1e-6)
+    out = torch.randn(4, 5, 7, requires_grad=True)
+    y = torch.tensor([[3, -100, 0, -100, 6]] * 4)
+    ref = F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+    torch.testing.assert_close(task.loss(out, y), ref)
+    none = task.loss(out, torch.full((4, 5), -100))
+    none.backward()
+    assert none.item() == 0.0 and not out.grad.any()
+    assert task.client_metric(ob, yb).item() == pytest.approx(1 / 3)
+
+
+def test_masked_lm_epoch_metrics_are_token_means() -> None:
+    """Over the batches A (1 scored token) and B (3): ``loss = (log 2 + log 4 + log 3 + log 2) / 4``, not the mean of
+    the batch means; ``acc = 2 / 4``; ``ppl = exp(loss) = 48^(1/4)``; per client (A's row: client 0, B's: client 1) the
+    token accuracy ``1`` and ``1/3``."""
+    metrics = MaskedLM().metrics(3, 2)
+    for c, (out, y) in enumerate(_lm_batches()):
+        metrics.update(out, y)
+        metrics.update_clients(out, y, torch.tensor([c]))
+    values = metrics.values()
+    loss = (4 * L2 + L3) / 4
+    assert values["loss"].compute().item() == pytest.approx(loss, rel=1e-6)
+    assert loss != pytest.approx((L2 + (3 * L2 + L3) / 3) / 2)  # what a mean over batches (rows) would give
+    assert values["acc"].compute().item() == pytest.approx(0.5)
+    assert values["ppl"].item() == pytest.approx(48**0.25, rel=1e-6)
+    torch.testing.assert_close(metrics.client_values(), torch.tensor([1.0, 1 / 3]))
+    assert metrics.client_key == "acc" and metrics.higher_is_better
+
+
+def test_masked_lm_matches_only_token_data() -> None:
+    """The loaded data's targets decide: token targets ``(N, L)`` for masked_lm, class labels for classification; the
+    mismatch is one line naming what is allowed."""
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    tokens = TensorData(ids, ids, ids, ids, num_classes=9, name="wikitext2")
+    labels = TensorData(torch.zeros(4, 2), ids[:, 0], torch.zeros(4, 2), ids[:, 0], num_classes=2, name="digits")
+    assert tokens.token_targets and not tokens.class_labels and labels.class_labels
+    MaskedLM().check_data(tokens)
+    assert MaskedLM().num_outputs(tokens) == 9
+    raises_one_line(MaskedLM().check_data, labels, match="task='masked_lm': needs token targets and data=digits has")
+    raises_one_line(Classification().check_data, tokens, match="data=wikitext2 has token targets; allowed with")
+
+
+def test_precheck_names_the_bad_masked_lm_combination_in_one_line() -> None:
+    """Before any loading: masked_lm on class labels, classification on WikiText-2, a partition by class label (WHALE's
+    default shards) or per-label client evaluation on token targets."""
+    lm = ["task=masked_lm", "data=wikitext2", "model=transformer_scalable", "partition=iid"]
+    cases = [
+        (["task=masked_lm"], "task='masked_lm': needs token targets and data=digits has class labels"),
+        (
+            ["data=wikitext2", "partition=iid"],
+            "data=wikitext2 has token targets; allowed with data=wikitext2: task=masked",
+        ),
+        ([*lm, "algo=whale", "system=mobile20", "partition=shards"], "partition='shards': splits by class label and"),
+        ([*lm, "client_eval=test_labels"], "data=wikitext2 has token targets; allowed: holdout, test_group"),
+        ([*lm, "data.targets=ordinal"], "data.targets='ordinal': allowed: classes, real, tokens"),
+    ]
+    for args, match in cases:
+        raises_one_line(precheck, args, match=match)
+    message = raises_one_line(precheck, [*lm[:3], "algo=whale", "system=mobile20"], match="partition='shards'")
+    assert "token targets (a masked language model); allowed: iid" in message

@@ -2,8 +2,9 @@
 check (:func:`flx.config.validate`) can use it. The tasks themselves (losses, metrics) are in :mod:`flx.tasks`.
 
 A data config says what its targets are with ``data.targets``: ``classes`` (int64 labels, the default when the key is
-absent) or ``real`` (float targets: regression, ``data=diabetes``). A task says what it needs: ``classification``
-classes, ``regression`` real values, ``custom`` its ``task.targets``.
+absent), ``real`` (float targets: regression, ``data=diabetes``) or ``tokens`` (int64 ids per position, ``-100`` where
+nothing is scored: a masked language model, ``data=wikitext2``). A task says what it needs: ``classification``
+classes, ``regression`` real values, ``masked_lm`` tokens, ``custom`` its ``task.targets`` (classes or real).
 """
 
 from __future__ import annotations
@@ -16,26 +17,32 @@ from omegaconf import DictConfig, OmegaConf
 from flx.errors import ConfigError, bad_value, not_binary
 from flx.models.head_spec import num_outputs
 
-REAL, CLASSES = "real", "classes"
+REAL, CLASSES, TOKENS = "real", "classes", "tokens"
 TARGETS = (CLASSES, REAL)
+"""What ``task=custom`` may take (``task.targets``)."""
+DATA_TARGETS = (CLASSES, REAL, TOKENS)
+"""What a data config may have (``data.targets``)."""
 TASKS = {
     "flx.tasks.Classification": "classification",
     "flx.tasks.Regression": "regression",
+    "flx.tasks.MaskedLM": "masked_lm",
     "flx.tasks.Custom": "custom",
 }
 """The shipped tasks' ``_target_`` -> their ``task=`` name; their targets are known without importing torch."""
-NEEDS = {"classification": CLASSES, "regression": REAL}
+NEEDS = {"classification": CLASSES, "regression": REAL, "masked_lm": TOKENS}
+KINDS = {REAL: "real-valued targets", CLASSES: "class labels", TOKENS: "token targets"}
+ALLOWED = {
+    CLASSES: "task=classification (or task=custom with task.targets=classes)",
+    REAL: "task=regression or task=custom",
+    TOKENS: "task=masked_lm",
+}
 
 
-def mismatch(task: str, needs: str, data: str) -> ConfigError:
-    """The one line for a task whose targets (``needs``) are not those of ``data`` (which has the other kind)."""
-    kind = {REAL: "real-valued targets", CLASSES: "class labels"}
-    has = CLASSES if needs == REAL else REAL
-    allowed = {
-        CLASSES: "task=classification (or task=custom with task.targets=classes)",
-        REAL: "task=regression or task=custom",
-    }
-    why = f"needs {kind[needs]} and data={data} has {kind[has]}; allowed with data={data}: {allowed[has]}"
+def mismatch(task: str, needs: str, data: str, has: str | None = None) -> ConfigError:
+    """The one line for a task whose targets (``needs``) are not those of ``data`` (``has``; default: the other of
+    classes and real)."""
+    has = has if has is not None else CLASSES if needs == REAL else REAL
+    why = f"needs {KINDS[needs]} and data={data} has {KINDS[has]}; allowed with data={data}: {ALLOWED[has]}"
     return bad_value("task", task, why)
 
 
@@ -46,8 +53,9 @@ def task_targets(task: Any) -> tuple[str, str | None]:
     target = str(task.get("_target_", ""))
     name = TASKS.get(target, target)
     targets = NEEDS.get(name, task.get("targets", REAL if name == "custom" else None))
-    if targets is not None and targets not in TARGETS:
-        raise bad_value("task.targets", targets, f"allowed: {', '.join(TARGETS)}")
+    allowed = TARGETS if name == "custom" else DATA_TARGETS
+    if targets is not None and targets not in allowed:
+        raise bad_value("task.targets", targets, f"allowed: {', '.join(allowed)}")
     return name, targets
 
 
@@ -55,16 +63,16 @@ def check_task(cfg: DictConfig) -> None:
     """The task against the data (``data.targets``), the partition, ``client_eval`` and the algorithm; the custom
     loss and metric must import. One line naming the key, the value and what is allowed."""
     data_targets = cfg.data.get("targets", CLASSES)
-    if data_targets not in TARGETS:
-        raise bad_value("data.targets", data_targets, f"allowed: {', '.join(TARGETS)}")
+    if data_targets not in DATA_TARGETS:
+        raise bad_value("data.targets", data_targets, f"allowed: {', '.join(DATA_TARGETS)}")
     name, targets = task_targets(cfg.get("task"))
     if targets is not None and targets != data_targets:
-        raise mismatch(name, targets, cfg.data.get("name", "?"))
+        raise mismatch(name, targets, cfg.data.get("name", "?"), data_targets)
     _check_imports(cfg.get("task"), name)
-    if data_targets == REAL:
-        _check_real_targets(cfg)
-    else:
+    if data_targets == CLASSES:
         _check_classes(cfg)
+    else:
+        _check_no_labels(cfg, data_targets)
 
 
 def _check_classes(cfg: DictConfig) -> None:
@@ -77,24 +85,26 @@ def _check_classes(cfg: DictConfig) -> None:
     num_outputs(head, 2 if classes is None else int(classes))  # a bad head; one_logit on a multi-class task
 
 
-def _check_real_targets(cfg: DictConfig) -> None:
-    """Real-valued targets: no binary algorithm, no partition by class label, no per-class client evaluation."""
+def _check_no_labels(cfg: DictConfig, targets: str) -> None:
+    """Real-valued or token targets (``targets``): no binary algorithm, no partition by class label, no per-class
+    client evaluation."""
     from hydra.utils import get_class
 
     data = cfg.data.get("name", "?")
     if cfg.algo.get("binary_task"):
-        raise ConfigError(f"data: algo={cfg.algo.name} needs a binary task (labels 0/1), data={data} has real targets")
+        has = "real targets" if targets == REAL else KINDS[targets]
+        raise ConfigError(f"data: algo={cfg.algo.name} needs a binary task (labels 0/1), data={data} has {has}")
     if cfg.get("client_eval", "holdout") == "test_labels":
-        why = f"needs class labels and data={data} has real-valued targets; allowed: holdout, test_group"
+        why = f"needs class labels and data={data} has {KINDS[targets]}; allowed: holdout, test_group"
         raise bad_value("client_eval", cfg.client_eval, why)
     try:  # numpy only; a partition that does not import is reported by the partition check
         cls = get_class(str(OmegaConf.select(cfg, "partition._target_")))
     except Exception:
         return
     if getattr(cls, "uses_labels", False):
-        from flx.datamodules.partitioners import needs_labels
+        from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 
-        raise needs_labels(getattr(cls, "name", cls.__name__), data)
+        raise needs_labels(getattr(cls, "name", cls.__name__), data, REAL_TARGETS if targets == REAL else TOKEN_TARGETS)
 
 
 def _check_imports(task: Any, name: str) -> None:

@@ -17,6 +17,9 @@ The shipped tasks (``task=``):
   ``pauc_0.5``.
 - ``Regression``: :math:`s \cdot \frac{1}{BK} \sum_{b,k} (\hat y_{bk} - y_{bk})^2` (``scale`` :math:`s`, 1: the MSE);
   logs ``loss``, ``mse``, ``rmse``, ``client_mse_{mean,worst,std}`` (worst: the largest).
+- ``MaskedLM``: token targets ``(B, L)`` (``-100``: not scored) against logits ``(B, L, V)``: the mean cross-entropy
+  over the scored positions; logs ``loss``, ``acc`` (token accuracy), ``ppl`` (``exp(loss)``), ``client_acc_*``, each
+  a mean over the split's scored tokens (not its rows).
 - ``Custom``: any ``fn(outputs, target)`` named by ``_target_``; logs ``loss``, and a ``task.metric`` by its name.
 
 Real-valued targets are ``(B,)`` (one column, the net has one output) or ``(B, K)``; a regression loss sees the
@@ -40,7 +43,7 @@ from flx.errors import bad_value
 from flx.metrics.auc import AUROCs
 from flx.metrics.client_summary import PerClientAccuracy, PerClientMSE
 from flx.models import heads
-from flx.task_spec import CLASSES, REAL, TARGETS, mismatch
+from flx.task_spec import CLASSES, REAL, TARGETS, TOKENS, mismatch
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -195,8 +198,9 @@ class Task:
 
     def check_data(self, data: TensorData) -> None:
         """Raises a one-line :class:`~flx.errors.ConfigError` unless the data's targets are the task's kind."""
-        if data.real_targets != (self.targets == REAL):
-            raise mismatch(self.name, self.targets, data.name or "?")
+        has = REAL if data.real_targets else TOKENS if data.token_targets else CLASSES
+        if has != self.targets:
+            raise mismatch(self.name, self.targets, data.name or "?", has)
 
 
 class Classification(Task):
@@ -241,6 +245,84 @@ class Regression(Task):
 
     def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
         return RegressionMetrics(self.loss, num_clients)
+
+
+IGNORE = -100
+"""The token target of a position that is not scored (``F.cross_entropy``'s ``ignore_index``)."""
+
+
+def token_nll(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Per position ``(-log softmax(o)_{y}) [y != -100]`` and the 0/1 scored mask, both ``target``'s shape.
+
+    Written with ``gather`` rather than ``F.cross_entropy(ignore_index=...)`` so that it runs under ``torch.func.vmap``
+    (the per-sample Fisher of :mod:`flx.callbacks.whale_utility`)."""
+    scored = target != IGNORE
+    nll = -outputs.log_softmax(-1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (B, L)
+    return nll * scored, scored
+
+
+class MaskedLMMetrics(SplitMetrics):
+    r"""``loss``, ``acc`` and ``ppl`` over a split's scored tokens; per client: token accuracy.
+
+    Each batch ``b`` with :math:`n_b` scored tokens adds its mean loss :math:`\bar\ell_b` and accuracy with weight
+    :math:`n_b`, so the epoch values are token means, :math:`\sum_b n_b \bar\ell_b / \sum_b n_b`, whatever the batch
+    split; ``ppl`` is :math:`\exp` of the epoch loss.
+    """
+
+    client_key = "acc"
+
+    def __init__(self, loss_fn: LossFn, num_clients: int) -> None:
+        super().__init__(loss_fn)
+        self.acc, self.client = MeanMetric(), PerClientAccuracy(num_clients)
+
+    def update(self, outputs: Tensor, target: Tensor) -> None:
+        scored = target != IGNORE
+        n = scored.sum()
+        self.loss.update(self.loss_fn(outputs, target), weight=n)
+        hits = ((outputs.argmax(-1) == target) & scored).sum()
+        self.acc.update(hits / n.clamp_min(1), weight=n)
+
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        scored = target != IGNORE  # (B, L); each scored token counts for its row's owner
+        self.client.update(outputs.argmax(-1)[scored], target[scored], client[:, None].expand_as(target)[scored])
+
+    def values(self) -> dict[str, Metric | Tensor]:
+        return {"loss": self.loss, "acc": self.acc, "ppl": self.loss.compute().exp()}
+
+    def client_values(self) -> Tensor:
+        per_client = self.client.compute()
+        self.client.reset()
+        return per_client
+
+
+class MaskedLM(Task):
+    r"""A masked language model (BERT): logits ``(B, L, V)`` against token targets ``(B, L)`` that hold the original
+    id at the scored positions and ``-100`` elsewhere (:mod:`flx.datamodules.wikitext`):
+
+    .. math::
+        \ell = \frac{1}{|S|} \sum_{(b, t) \in S} -\log \mathrm{softmax}(o_{bt})_{y_{bt}}, \qquad
+        S = \{(b, t) : y_{bt} \ne -100\}
+
+    (0 when nothing in the batch is scored). The per-client metric is the token accuracy over ``S``.
+    """
+
+    name, targets = "masked_lm", TOKENS
+    client_key, higher_is_better = "acc", True
+
+    def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
+        nll, scored = token_nll(outputs, target)
+        return nll.sum() / scored.sum().clamp_min(1)
+
+    def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
+        scored = target != IGNORE
+        return ((outputs.argmax(-1) == target) & scored).sum().double() / scored.sum().clamp_min(1)
+
+    def num_outputs(self, data: TensorData, binary_head: str = "two_logits") -> int:
+        """The vocabulary: ``data.num_classes`` logits per position."""
+        return data.num_classes
+
+    def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
+        return MaskedLMMetrics(self.loss, num_clients)
 
 
 def _name_of(fn: Callable[..., Any]) -> str:

@@ -18,7 +18,7 @@ from flx.callbacks.subnetwork import MAX_LEVELS, Subnetwork
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.models.scalable import ScalableCNN, StaticBatchNorm2d, rebuild_bn_stats
-from flx.models.width import width_masks
+from flx.models.width import masks_from_indices, width_masks
 from flx.systems.simulator import LatencySimulator
 
 SYSTEM = dict(
@@ -237,3 +237,43 @@ def test_fisher_batches_keeps_the_first_steps_only() -> None:
     fi0 = wu.batch_fisher(ref, F.cross_entropy, data.x, data.y, None)
     assert part.windows[0] == pytest.approx([fi0**2], rel=1e-9)
     raises_one_line(Subnetwork, fisher_batches=0, match="algo.fisher_batches")
+
+
+@pytest.mark.parametrize("extractor", ["prefix", "random"])
+def test_a_client_of_the_masked_lm_trains_the_extracted_small_lm(extractor: str) -> None:
+    """One client at width 1/2 (``max_levels``: level 2) on the Transformer LM, one full-batch SGD step: the part
+    hands the sub-model's index sets to ``set_width`` (masked LayerNorm, the sub-model's softmax scale), so the merged
+    model's slices are those of an independent small LM (``embed 4``, 2 heads of 2, ``ffn 6``) after the same step on
+    the same rows, and every entry outside them is unchanged (count mean, one client)."""
+    from flx.callbacks.subnetwork import _MASK_TAG
+    from flx.models.scalable_lm import ScalableTransformerLM
+    from flx.models.width import extract_state, local_entries, width_indices
+    from flx.sampling import derive_seed
+    from flx.tasks import MaskedLM
+
+    def lm(**kw: int) -> ScalableTransformerLM:
+        torch.manual_seed(0)
+        sizes = dict(input_shape=(5,), num_classes=6, embed=8, heads=2, ffn=12, layers=1, dropout=0.0)
+        return ScalableTransformerLM(**{**sizes, **kw}).double()
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 7, (6, 5), generator=g), torch.randint(0, 6, (6, 5), generator=g)
+    data = ClientStore(x, torch.where(torch.rand(6, 5, generator=g) < 0.4, y, -100), [torch.arange(6)])
+    part = Subnetwork(scheduler="fixed", extractor=extractor, max_levels={**MAX_LEVELS, "MacBookPro2018": 2})
+    net, loss = lm(), MaskedLM().loss
+    fed = fed_with([part], data, net=net, loss_fn=loss, local_steps=1, lr=0.1)
+    gen = torch.Generator().manual_seed(derive_seed(CFG["seed"], 0, 0, _MASK_TAG))
+    indices = width_indices(net, 0.5, extractor, generator=gen)
+    w0 = {n: p.detach().clone() for n, p in local_entries(net)}
+    small = lm(embed=4, attn_dim=4, ffn=6)
+    small.load_state_dict(extract_state(net, indices))
+    small.set_width(0.5)
+    loss(small(data.x), data.y).backward()
+    run_rounds(fed, 1)
+    assert fed.width(0) == 0.5
+    got = extract_state(net, indices)
+    for name, p in small.named_parameters():
+        torch.testing.assert_close(got[name], (p - 0.1 * p.grad).detach(), rtol=1e-12, atol=1e-12)
+    masks = dict(zip(w0, masks_from_indices(net, indices)))
+    for name, p in local_entries(net):
+        assert torch.equal(p.detach()[masks[name] == 0], w0[name][masks[name] == 0]), name

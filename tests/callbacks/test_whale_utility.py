@@ -12,6 +12,9 @@ from torch import nn
 
 from flx.callbacks import whale_utility as wu
 from flx.models.scalable import ScalableCNN
+from flx.models.scalable_lm import ScalableTransformerLM
+from flx.models.width import apply_masks, local_entries, masks_from_indices, width_indices
+from flx.tasks import MaskedLM
 
 
 @pytest.mark.parametrize(("u_n", "p"), [(0.8, 1), (0.6, 2), (0.4, 3), (0.2, 4), (0.19, 5), (0.0, 5), (0.7999, 2)])
@@ -129,3 +132,62 @@ def test_static_bn_per_sample_grads_use_the_batch_statistics() -> None:
         m.stat_mean = m.stat_var = None
     wu.per_sample_sq_norms(net, F.cross_entropy, x, y, ones)
     assert all(m.training and m.stat_mean is None for m in stats)
+
+
+def _lm_batch(dropout: float = 0.0) -> tuple[ScalableTransformerLM, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A tiny masked LM at width 1/2 (prefix: masked entries zeroed, ``set_width(1/2, indices)``), 4 rows of 6 token
+    ids; row 2 has no scored position."""
+    torch.manual_seed(0)
+    net = ScalableTransformerLM(input_shape=(6,), num_classes=7, embed=8, heads=2, ffn=8, layers=1, dropout=dropout)
+    net = net.double().train()
+    indices = width_indices(net, 0.5, "prefix")
+    masks = masks_from_indices(net, indices)
+    apply_masks([p for _, p in local_entries(net)], masks)
+    net.set_width(0.5, indices=indices)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 8, (4, 6), generator=g)
+    y = torch.full((4, 6), -100)
+    y[0, 1], y[1, [0, 4, 5]], y[3, 2] = 3, torch.tensor([1, 6, 0]), 5
+    return net, masks, x, y
+
+
+def test_lm_per_sample_norms_are_each_rows_masked_gradient() -> None:
+    """A sample is a row: ``||m * grad l(x_n, y_n)||^2`` with ``l`` the row's mean loss over its scored tokens (0 for
+    row 2, which has none), the sub-model's masked LayerNorm and softmax scale included; fp64, dropout 0."""
+    net, masks, x, y = _lm_batch()
+    loss = MaskedLM().loss
+    sq = wu.per_sample_sq_norms(net, loss, x, y, masks)
+    for n in range(4):
+        net.zero_grad()
+        loss(net(x[n : n + 1]), y[n : n + 1]).backward()
+        expected = sum(float(((p.grad * m) ** 2).sum()) for p, m in zip(net.parameters(), masks))
+        assert float(sq[n]) == pytest.approx(expected, rel=1e-10)
+    assert float(sq[2]) == 0.0 and float(sq[0]) > 0
+
+
+def test_lm_fisher_with_dropout_draws_a_mask_per_sample() -> None:
+    """Dropout in training mode inside ``vmap`` (``randomness="different"``): finite, reproducible from torch's seeded
+    stream (the client's), and different from the dropout-free value."""
+    net, masks, x, y = _lm_batch(dropout=0.3)
+    loss = MaskedLM().loss
+    torch.manual_seed(11)
+    a = wu.batch_fisher(net, loss, x, y, masks, "trace_empirical")
+    torch.manual_seed(11)
+    b = wu.batch_fisher(net, loss, x, y, masks, "trace_empirical")
+    for m in net.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    assert math.isfinite(a) and a == b and a != wu.batch_fisher(net, loss, x, y, masks, "trace_empirical")
+
+
+def test_lm_trace_sampled_draws_a_word_per_scored_position() -> None:
+    """Token targets: ``y_hat_{bt} ~ softmax(f(x)_{bt})`` at the scored positions (one draw per position, rows in
+    order), -100 kept elsewhere; then the empirical trace on ``y_hat``."""
+    net, masks, x, y = _lm_batch()
+    loss = MaskedLM().loss
+    fi = wu.batch_fisher(net, loss, x, y, masks, "trace_sampled", generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        probs = torch.softmax(net(x).double(), dim=-1)  # (4, 6, 7)
+    drawn = torch.multinomial(probs.reshape(24, 7), 1, generator=torch.Generator().manual_seed(5)).view(4, 6)
+    y_hat = torch.where(y < 0, y, drawn)
+    assert fi == pytest.approx(float(wu.per_sample_sq_norms(net, loss, x, y_hat, masks).mean()), rel=1e-10)

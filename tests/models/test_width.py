@@ -87,6 +87,56 @@ def test_random_indices_are_one_seeded_randperm_per_group() -> None:
     assert any(a[n].tolist() != c[n].tolist() for n in net.width_groups)
 
 
+def _blocked(blocks: dict[str, int] | None) -> torch.nn.Module:
+    """A bare net with groups ``a`` (12 channels) and ``heads`` (12 channels); ``blocks``: its ``width_blocks``."""
+    net = torch.nn.Module()
+    net.width_groups = {"a": 12, "heads": 12}
+    if blocks is not None:
+        net.width_blocks = blocks
+    return net
+
+
+def test_blocked_prefix_keeps_the_first_k_of_each_block() -> None:
+    """``heads``: 3 blocks of ``c = 4``; width 1/2 keeps ``k = 2`` per block: ``{0, 1, 4, 5, 8, 9}``; width 1/4 keeps
+    one per block; the unlisted group ``a`` is one block (``k = ceil(12 rho)``)."""
+    net = _blocked({"heads": 3})
+    assert width_indices(net, 0.5, "prefix")["heads"].tolist() == [0, 1, 4, 5, 8, 9]
+    assert width_indices(net, 0.25, "prefix")["heads"].tolist() == [0, 4, 8]
+    assert width_indices(net, 0.25, "prefix")["a"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("r", [0, 1, 3, 6])
+def test_blocked_rolling_rolls_each_blocks_window(r: int) -> None:
+    """Block ``h`` keeps ``h c + ((j - r) mod c)`` for ``j < k``: ``c = 4``, ``k = 2``, listed block by block."""
+    got = width_indices(_blocked({"heads": 3}), 0.5, "rolling", round_idx=r)["heads"].tolist()
+    assert got == [h * 4 + (j - r) % 4 for h in range(3) for j in range(2)]
+
+
+def test_blocked_random_is_one_randperm_per_block_in_order() -> None:
+    """Groups in order (``a``: one ``randperm(12)``), then per block of ``heads`` one ``randperm(4)[:k]`` shifted
+    by ``4 h``, all from the one generator."""
+    got = width_indices(_blocked({"heads": 3}), 0.5, "random", generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    assert got["a"].tolist() == torch.randperm(12, generator=g)[:6].tolist()
+    expected = [4 * h + int(i) for h in range(3) for i in torch.randperm(4, generator=g)[:2]]
+    assert got["heads"].tolist() == expected
+    assert [sorted(i // 4 for i in got["heads"].tolist()).count(h) for h in range(3)] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("mode", ["prefix", "rolling", "random"])
+def test_no_blocks_or_one_block_is_the_unblocked_formula(mode: str) -> None:
+    """``width_blocks`` absent, empty or 1 for a group: the index sets and the random stream are unchanged."""
+    sets = [
+        width_indices(_blocked(b), 0.25, mode, round_idx=5, generator=torch.Generator().manual_seed(1))
+        for b in (None, {}, {"a": 1, "heads": 1})
+    ]
+    assert all(s[g].tolist() == sets[0][g].tolist() for s in sets for g in ("a", "heads"))
+    if mode == "random":  # the second group's draw is the second randperm(12) of the stream
+        g = torch.Generator().manual_seed(1)
+        torch.randperm(12, generator=g)
+        assert sets[0]["heads"].tolist() == torch.randperm(12, generator=g)[:3].tolist()
+
+
 def test_resnet_shortcut_and_residual_stream_share_the_blocks_indices() -> None:
     """Random mode: a stage's residual stream is one index set, so the 1x1 shortcut's output rows are conv2's and
     its input columns are conv1's (the previous stage's stream); identity shortcuts add matching channels."""

@@ -41,7 +41,7 @@ from flx.callbacks import whale_utility as wu
 from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
-from flx.models.width import MODES, apply_masks, mask_grads, width_masks
+from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
@@ -196,11 +196,13 @@ class Subnetwork(FederatedCallback):
         rho, r = fed.width(client.cid), client.round.round
         gen = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, r, client.cid, _MASK_TAG))
         classes = None
-        if self.params.label_aware:
+        if self.params.label_aware:  # token targets: the ids of the scored positions (-100 marks the others)
             classes = torch.unique(fed.data.y[fed.data.client_indices[client.cid]]).cpu()
-        client.masks = width_masks(fed.net, rho, self.params.extractor, round_idx=r, generator=gen, classes=classes)
+            classes = classes[classes >= 0]
+        indices = width_indices(fed.net, rho, self.params.extractor, round_idx=r, generator=gen)
+        client.masks = masks_from_indices(fed.net, indices, classes=classes)
         apply_masks(fed.local_state, client.masks)
-        fed.net.set_width(rho)
+        fed.net.set_width(rho, indices=indices)  # the LM's LayerNorms and attention read the kept channels
         client.extras["whale_fi2"] = [0.0, 0]
         if self.params.fisher == "trace_sampled":
             seed = derive_seed(fed.cfg.seed, r, client.cid, _LABEL_TAG)

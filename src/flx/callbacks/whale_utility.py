@@ -25,10 +25,14 @@ Level ``p`` trains width ``s^(p-1)`` (``s = 1/2``). ``T^co, T^tr`` are the small
   normalise each sample with the **batch's** statistics, held constant (captured by a no-grad forward of the batch),
   so each sample's output is exactly its output in the batch and its gradient is that of its own loss with the
   statistics fixed. ``samples`` (the part's ``fisher_samples``, default all) limits it to the batch's first
-  ``samples`` rows: the minibatch is a uniform draw without
-  replacement, so its first rows are too, and their mean is an unbiased estimate of the batch's trace;
+  ``samples`` rows: the minibatch is a uniform draw without replacement, so its first rows are too, and their mean is
+  an unbiased estimate of the batch's trace. A sample is a row: for a masked LM (``task=masked_lm``) ``l(x_n, y_n)``
+  is the row's mean loss over its scored tokens (0 for a row with none). Dropout in training mode draws its own mask
+  for each sample (``vmap(randomness="different")`` in the ``torch.func`` path; one batch forward in the other), as
+  in the training step, from the client's seeded stream;
 - ``trace_sampled``: the same with labels drawn from the model's predictive distribution ``softmax(f(x))`` (the
-  "true" Fisher of Eq. 3, as FedFIM), from a generator the caller seeds;
+  "true" Fisher of Eq. 3, as FedFIM), from a generator the caller seeds; for token targets one word per scored
+  position;
 - ``max_tensor_mean``: the authors' code: ``max`` over the parameter tensors of ``mean(g^2) / |b|`` of the training
   gradient ``g`` (the mean over the sub-model's entries of each tensor).
 """
@@ -125,10 +129,11 @@ def batch_fisher(
         ]
         return float(torch.stack(means).max()) / len(x)
     x, y = (x, y) if samples is None else (x[:samples], y[:samples])
-    if kind == "trace_sampled":
+    if kind == "trace_sampled":  # token targets (B, L): a word per scored position, -100 stays
         with torch.no_grad():
             probs = torch.softmax(net(x).detach().double(), dim=-1)
-        y = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        drawn = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
+        y = torch.where(y < 0, y, drawn)
     return float(per_sample_sq_norms(net, loss_fn, x, y, ms, chunk_size).mean())
 
 
@@ -162,7 +167,8 @@ def per_sample_sq_norms(
         fast = sq_norms(net, loss_fn, x, y, masks)  # one forward and backward; None: a layer it cannot handle
         if fast is not None:
             return fast.detach()
-        return torch.func.vmap(sq_norm, chunk_size=chunk_size)(x, y).detach()
+        # dropout (the LM's) draws a mask per sample, as a training step does; nets without dropout draw nothing
+        return torch.func.vmap(sq_norm, chunk_size=chunk_size, randomness="different")(x, y).detach()
     finally:
         for m, training, mean, var in saved:
             m.training, m.stat_mean, m.stat_var = training, mean, var

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flx.config import CLIENT_EVAL
 from flx.datamodules.partition_file import save_partition
-from flx.datamodules.partitioners import needs_labels
+from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 from flx.datamodules.protocol import DataProtocol, load, save_split
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
@@ -146,12 +146,14 @@ class FederatedDataModule(pl.LightningDataModule):
         return n
 
     def _partition_labels(self) -> np.ndarray:
-        """The training labels the partitioner splits by. Real-valued targets have none: zeros stand in for them for a
-        scheme that ignores labels (``uses_labels`` false: iid, quantity_skew, ...); any other stops with one line."""
-        if not self.data.real_targets:
+        """The training labels the partitioner splits by. Real-valued and token targets have none: zeros stand in for
+        them for a scheme that ignores labels (``uses_labels`` false: iid, quantity_skew, ...); any other stops with one
+        line."""
+        if self.data.class_labels:
             return self.data.y_train.numpy()
         if getattr(self.partitioner, "uses_labels", True):
-            raise needs_labels(getattr(self.partitioner, "name", type(self.partitioner).__name__), self.data.name)
+            has = TOKEN_TARGETS if self.data.token_targets else REAL_TARGETS
+            raise needs_labels(getattr(self.partitioner, "name", type(self.partitioner).__name__), self.data.name, has)
         return np.zeros(len(self.data.y_train), dtype=np.int64)
 
     def save(self, folder: str) -> None:
@@ -172,13 +174,13 @@ class FederatedDataModule(pl.LightningDataModule):
     def _global_rows(self, y: Tensor, groups: Tensor | None) -> list[Tensor]:
         """Per client, the rows of a global split (``y``, ``groups``) that share its labels (or its one group).
 
-        Real-valued targets (regression) have no labels to share: no per-client rows (``holdout`` on the validation
-        split), and ``client_eval=test_labels`` stops with one line."""
+        Real-valued targets (regression) and token targets (a language model) have no labels to share: no per-client
+        rows (``holdout`` on the validation split), and ``client_eval=test_labels`` stops with one line."""
         d = self.data
-        if self.client_eval == "test_labels" and d.real_targets:
-            why = "needs class labels; with real-valued targets use holdout (and partition.test_fraction > 0)"
+        if self.client_eval == "test_labels" and not d.class_labels:
+            why = "needs class labels; with real-valued or token targets use holdout (and partition.test_fraction > 0)"
             raise bad_value("client_eval", self.client_eval, why)
-        if self.client_eval != "test_group" and d.real_targets:
+        if self.client_eval != "test_group" and not d.class_labels:
             return []
         if self.client_eval != "test_group":
             return [torch.isin(y, d.y_train[rows].unique()).nonzero().flatten() for rows in self.client_train]

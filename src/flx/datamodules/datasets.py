@@ -12,6 +12,8 @@ Formats read here:
 * MedMNIST: the ``medmnist`` package's ``.npz`` files.
 * Adult: UCI's ``adult.data`` / ``adult.test`` (read in :mod:`flx.datamodules.adult`).
 * Shakespeare: LEAF JSON (read in :mod:`flx.datamodules.shakespeare`); inputs are int64 character ids.
+* WikiText-2: the word-level ``.tokens`` files (read in :mod:`flx.datamodules.wikitext`); int64 word ids in and out
+  (a masked language model).
 
 The format readers and shared helpers live in :mod:`flx.datamodules.formats`.
 
@@ -48,6 +50,7 @@ from flx.datamodules.formats import (
 )
 from flx.datamodules.shakespeare import shakespeare
 from flx.datamodules.store import TensorData
+from flx.datamodules.wikitext import wikitext2
 
 __all__ = [
     "LOADERS",
@@ -62,6 +65,7 @@ __all__ = [
     "medmnist",
     "mnist",
     "shakespeare",
+    "wikitext2",
 ]
 
 
@@ -405,4 +409,5 @@ LOADERS: dict[str, Callable[..., TensorData]] = {
     "medmnist": medmnist,
     "adult": adult,
     "shakespeare": shakespeare,
+    "wikitext2": wikitext2,
 }

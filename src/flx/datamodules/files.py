@@ -1,9 +1,10 @@
 """Where each on-disk dataset's files must be, checked without torch or numpy.
 
-The loaders (:mod:`flx.datamodules.datasets`, :mod:`~flx.datamodules.adult`, :mod:`~flx.datamodules.shakespeare`)
-find their files through the functions here, and the pre-run check (:func:`flx.config.precheck`) calls the same
-functions through :func:`locate` before anything heavy is imported: a missing dataset, or a bad option that decides
-which files are read, is one line within a second instead of after the imports and the loading.
+The loaders (:mod:`flx.datamodules.datasets`, :mod:`~flx.datamodules.adult`, :mod:`~flx.datamodules.shakespeare`,
+:mod:`~flx.datamodules.wikitext`) find their files through the functions here, and the pre-run check
+(:func:`flx.config.precheck`) calls the same functions through :func:`locate` before anything heavy is imported: a
+missing dataset, or a bad option that decides which files are read, is one line within a second instead of after the
+imports and the loading.
 """
 
 from __future__ import annotations
@@ -170,6 +171,15 @@ def shakespeare(root: str) -> tuple[list[Path], list[Path]]:
     return leaf_json(directory / "train"), leaf_json(directory / "test")
 
 
+WIKITEXT2_FILES = ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens")
+
+
+def wikitext2(root: str, use_valid: bool = True) -> dict[str, Path]:
+    names = WIKITEXT2_FILES if use_valid else (WIKITEXT2_FILES[0], WIKITEXT2_FILES[2])
+    expected = "the word-level WikiText-2 release (wikitext-2-v1.zip, unzipped): " + ", ".join(names)
+    return find_files("wikitext2", "WikiText-2", data_dir(root) / "wikitext-2", names, expected, gz=False)
+
+
 LOCATORS: dict[str, Callable[..., Any]] = {
     "mnist": mnist,
     "fashion_mnist": fashion_mnist,
@@ -179,6 +189,7 @@ LOCATORS: dict[str, Callable[..., Any]] = {
     "medmnist": medmnist,
     "adult": adult,
     "shakespeare": shakespeare,
+    "wikitext2": wikitext2,
 }
 """Loader name in :mod:`flx.datamodules.datasets` -> the function that finds its files."""
 

@@ -11,9 +11,9 @@ then called as ``split = partitioner(labels, seed)`` or ``partitioner(labels, se
 :class:`ByGroup` uses the groups, the others ignore them. Bad values raise :class:`flx.errors.ConfigError`.
 
 "Classes" always means the distinct label values present in ``labels`` (they need not be ``0..C-1``). Real-valued
-targets (regression, ``data=diabetes``) have no classes: only the schemes that ignore the labels (``uses_labels =
-False``: iid, quantity_skew, by_group, from_file) can split them, called with placeholder labels by the datamodule;
-the others stop with one line (:func:`needs_labels`).
+targets (regression, ``data=diabetes``) and token targets (a masked language model, ``data=wikitext2``) have no classes:
+only the schemes that ignore the labels (``uses_labels = False``: iid, quantity_skew, by_group, from_file) can split
+them, called with placeholder labels by the datamodule; the others stop with one line (:func:`needs_labels`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ DIRICHLET_MAX_TRIES = 1000
 """How many Dirichlet draws :class:`Dirichlet` makes before giving up on ``min_size``."""
 
 
-__all__ = ["PARTITIONERS", "ClientSplit", "Partitioner", "needs_labels"]
+__all__ = ["PARTITIONERS", "REAL_TARGETS", "TOKEN_TARGETS", "ClientSplit", "Partitioner", "needs_labels"]
+
+REAL_TARGETS = "real-valued targets (regression)"
+TOKEN_TARGETS = "token targets (a masked language model)"
 
 
 class IID(Partitioner):
@@ -339,8 +342,9 @@ PARTITIONERS: dict[str, type[Partitioner]] = {
 """Partitioners by their config name."""
 
 
-def needs_labels(name: str, data: str) -> ConfigError:
-    """The one line for a partition by class label (``uses_labels``) of data with real-valued targets."""
+def needs_labels(name: str, data: str, has: str = REAL_TARGETS) -> ConfigError:
+    """The one line for a partition by class label (``uses_labels``) of data without class labels (``has``: what the
+    data's targets are, :data:`REAL_TARGETS` or :data:`TOKEN_TARGETS`)."""
     free = ", ".join(key for key, cls in PARTITIONERS.items() if not cls.uses_labels)
-    why = f"splits by class label and data={data} has real-valued targets (regression); allowed: {free}"
+    why = f"splits by class label and data={data} has {has}; allowed: {free}"
     return bad_value("partition", name, why)

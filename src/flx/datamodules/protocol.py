@@ -6,7 +6,7 @@ Order of operations (``FederatedDataModule.setup``):
 2. :func:`carve` picks the rows: ``data.split_file`` (exact indices), or else a stratified
    ``data.val_fraction`` of the TRAINING rows moved to the validation split, then a stratified
    ``data.server_fraction`` of the remaining training rows moved to the server split, both drawn with
-   ``data.split_seed`` (real-valued targets, regression: plain random shares, there are no classes to stratify by);
+   ``data.split_seed`` (real-valued or token targets: plain random shares, there are no classes to stratify by);
 3. loaders that change training rows (:func:`flx.datamodules.binary.binarize`: the imbalance subsample and the
    label flips) do so only now, on the client-side training rows, so the validation and server rows are never
    subsampled or flipped;
@@ -103,7 +103,7 @@ def carve(data: TensorData, protocol: DataProtocol) -> TensorData:
     if protocol.split_file is not None:
         rows = read_split_file(protocol.split_file, n, m)
     else:
-        rows = carved_rows(data.y_train.numpy(), m, protocol, real=data.real_targets)
+        rows = carved_rows(data.y_train.numpy(), m, protocol, real=not data.class_labels)
     if not len(rows["test"]) and protocol.split_file is None:  # data.test_fraction=null and no file
         raise bad_value(
             "data.test_fraction", None, "no test split: set a fraction, or list the test rows in data.split_file"

@@ -18,7 +18,9 @@ class TensorData:
             or int64 token ids (text, e.g. ``(N, L)`` character ids); float64 where a generator is asked for it
             (``data.dtype``, :mod:`flx.datamodules.pfedfbe_data`). Cast to the model's dtype by the client store.
         y_train: int64 class labels, shape ``(N,)``, or float32 (float64 with float64 inputs) real-valued targets
-            (regression, e.g. ``data=diabetes``), shape ``(N,)`` or ``(N, K)``: see :attr:`real_targets`.
+            (regression, e.g. ``data=diabetes``), shape ``(N,)`` or ``(N, K)``: see :attr:`real_targets`; or int64
+            token targets ``(N, L)``, one id per input position and ``-100`` where nothing is scored (a masked
+            language model, ``data=wikitext2``): see :attr:`token_targets`.
         x_test: inputs of the global test split, shape ``(M, *input_shape)``, same dtype as ``x_train``.
         y_test: targets of the global test split, shape ``(M, ...)``, same dtype as ``y_train``.
         num_classes: number of classes; 0 for real-valued targets.
@@ -91,6 +93,16 @@ class TensorData:
     def real_targets(self) -> bool:
         """Whether the targets are real numbers (float32 or float64: regression) rather than int64 class labels."""
         return self.y_train.is_floating_point()
+
+    @property
+    def token_targets(self) -> bool:
+        """Whether the targets are int64 token ids ``(N, L)`` (a masked language model), not one label per row."""
+        return not self.real_targets and self.y_train.dim() == 2
+
+    @property
+    def class_labels(self) -> bool:
+        """Whether the targets are one int64 class label per row: what a carve or a partition can stratify by."""
+        return not self.real_targets and not self.token_targets
 
     @property
     def num_val(self) -> int:

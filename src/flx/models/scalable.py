@@ -6,15 +6,17 @@ Heterogeneous Clients", ICLR 2021 (Scaler, sBN); H. Su et al., "WHALE-FL", 2024 
 CNN with widths [64, 128, 256, 512] on MNIST and HAR, ResNet18 with [64, 128, 256, 512] on CIFAR-10).
 
 ONE full-width net serves every client: a client's sub-network of width ratio :math:`\rho` is a set of 0/1 masks over
-the net's tensors (:mod:`flx.models.width`), and ``set_width(rho)`` sets the Scaler. Each net names its hidden channel
-groups in ``width_groups`` and tags every layer with the groups of its dimensions, so masks and sub-model extraction
-are one generic function for every net.
+the net's tensors (:mod:`flx.models.width`), and ``set_width(rho, indices)`` sets the Scaler. Each net names its hidden
+channel groups in ``width_groups`` and tags every layer with the groups of its dimensions, so masks and sub-model
+extraction are one generic function for every net.
 
 **Scaler.** :math:`\mathrm{Scaler}(a) = a / \rho` in training and :math:`a` in evaluation, after every convolution
 (before its norm), so a sub-model's activations have the full model's scale when its weights are merged into the full
-model (HeteroFL §3.2). ``set_width(rho)`` is called by the scheduler at client start (and ``set_width(1.0)`` at client
-end); the Scaler is the only thing it changes. In front of sBN the division only moves the :math:`\epsilon` of the
-normalisation; with ``norm=none`` it is the whole compensation.
+model (HeteroFL §3.2). ``set_width(rho, indices)`` is called by the scheduler at client start with the sub-model's
+index sets (:func:`flx.models.width.width_indices`: a net whose layers depend on which channels are kept reads them,
+:mod:`flx.models.scalable_lm`; these nets ignore them), and ``set_width(1.0)`` at client end; here the Scaler is the
+only thing it changes. In front of sBN the division only moves the :math:`\epsilon` of the normalisation; with
+``norm=none`` it is the whole compensation.
 
 **Static BatchNorm** (:class:`StaticBatchNorm2d`). In training, BatchNorm normalises with the batch's statistics and
 keeps no running statistics (``track_running_stats=False``): the net has **no buffers**, so ``fed.local_state`` is
@@ -44,7 +46,7 @@ the batch mean); the ResNet18 is the usual post-activation CIFAR ResNet18 (3x3 s
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -153,8 +155,8 @@ class ScalableCNN(nn.Module):
         self.feat_dim = w[-1]
         self.head = tag_width(nn.Linear(self.feat_dim, self.num_classes), CLASSES, g_in)
 
-    def set_width(self, ratio: float) -> None:
-        """Sets the Scaler's ``rho`` (:func:`set_width`)."""
+    def set_width(self, ratio: float, indices: Mapping[str, Tensor] | None = None) -> None:
+        """Sets the Scaler's ``rho`` (:func:`set_width`); ``indices`` (the sub-model's index sets) are not needed."""
         set_width(self, ratio)
 
     def features(self, x: Tensor) -> Tensor:
@@ -234,8 +236,8 @@ class ScalableResNet18(nn.Module):
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
-    def set_width(self, ratio: float) -> None:
-        """Sets the Scaler's ``rho`` (:func:`set_width`)."""
+    def set_width(self, ratio: float, indices: Mapping[str, Tensor] | None = None) -> None:
+        """Sets the Scaler's ``rho`` (:func:`set_width`); ``indices`` (the sub-model's index sets) are not needed."""
         set_width(self, ratio)
 
     def features(self, x: Tensor) -> Tensor:

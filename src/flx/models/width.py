@@ -26,10 +26,24 @@ block's 1x1 shortcut conv is tagged with the block's input and output groups, ty
     I^{\mathrm{random}} = \mathrm{randperm}(C)[:k]                               \qquad\text{(Federated Dropout)}
 
 The random draws take ``generator`` (the scheduler seeds it by ``(seed, round, client)``), one ``randperm`` per group in
-``net.width_groups`` order. The **mask** of a tensor is the outer product of its dimensions' 0/1 selections
-(:func:`masks_from_indices`); masks follow ``fed.local_state``: the trainable parameters, then the float buffers
-(:func:`local_entries`). :func:`extract_state` slices the same index sets out into the state of an independent small
-net, which the tests use to show that masking realises the sub-model exactly.
+``net.width_groups`` order.
+
+**Blocked groups** (attention heads). A net may declare ``net.width_blocks`` (group -> ``b``; groups not listed have
+``b = 1``): the group's ``C`` channels are ``b`` equal blocks of ``c = C / b`` (head ``h`` holds channels
+``h c .. h c + c - 1``) and the index set keeps :math:`k = \lceil \rho c \rceil` channels **in each block**, by the
+formulas above applied to the block (``C`` replaced by ``c``) and shifted by its offset:
+
+.. math::
+    I = \bigcup_{h=0}^{b-1} \{h c + i : i \in I_h\}, \qquad |I| = b k
+
+(prefix: the first ``k`` of each block; rolling: each block's window rolled by ``r mod c``; random: one
+``randperm(c)`` per block, blocks in order, from the same generator), listed block by block, so a sub-model keeps
+every head with ``k`` channels each. With ``b = 1`` these are exactly the formulas above.
+
+The **mask** of a tensor is the outer product of its dimensions' 0/1 selections (:func:`masks_from_indices`); masks
+follow ``fed.local_state``: the trainable parameters, then the float buffers (:func:`local_entries`).
+:func:`extract_state` slices the same index sets out into the state of an independent small net, which the tests use
+to show that masking realises the sub-model exactly.
 
 ``k`` is computed as ``ceil(round(rho * C, 9))``: the rounding keeps ``ceil(0.28 * 25) = 7`` where the float product
 ``7.000000000000001`` would give 8; for the dyadic ratios of the papers (1, 1/2, ..., 1/16) it is the plain ceiling.
@@ -71,7 +85,8 @@ def tag_width(module: nn.Module, out: str | None, inp: str | None = None) -> nn.
     """Records the channel groups of ``module``'s tensors (``module.width_dims``: name -> group per dimension).
 
     Weights with two or more dimensions are ``(out, inp)`` (conv, linear); one-dimensional tensors (biases, a norm's
-    scale and shift and any running statistics) are ``(out,)``. Returns ``module``.
+    scale and shift and any running statistics) are ``(out,)``. An embedding table ``(num_embeddings, dim)`` reads the
+    same way: ``tag_width(nn.Embedding(V, d), None, "embed")`` leaves its rows unscaled. Returns ``module``.
     """
     dims: dict[str, Dims] = {}
     for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
@@ -97,10 +112,11 @@ def local_entries(net: nn.Module) -> list[tuple[str, Tensor]]:
 def width_indices(
     net: nn.Module, ratio: float, mode: str, *, round_idx: int = 0, generator: torch.Generator | None = None
 ) -> dict[str, Tensor]:
-    """One index set per channel group of ``net.width_groups`` (int64, on the CPU), see the module docstring.
+    """One index set per channel group of ``net.width_groups`` (int64, on the CPU), see the module docstring; a group
+    of ``net.width_blocks`` keeps ``k`` channels in each of its blocks.
 
     Args:
-        net: a width-scalable net (has ``width_groups``).
+        net: a width-scalable net (has ``width_groups``, optionally ``width_blocks``).
         ratio: width ratio ``rho`` in ``(0, 1]``.
         mode: ``prefix`` | ``rolling`` | ``random``.
         round_idx: the round ``r`` (``rolling``).
@@ -109,16 +125,25 @@ def width_indices(
     if mode not in MODES:
         raise bad_value("width mode", mode, f"allowed: {', '.join(MODES)}")
     groups: Mapping[str, int] = _groups(net)
+    blocks: Mapping[str, int] = getattr(net, "width_blocks", None) or {}
     out = {}
-    for name, c in groups.items():
+    for name, size in groups.items():
+        b = int(blocks.get(name, 1))
+        if b < 1 or size % b:
+            raise ValueError(f"{name}: {size} channels do not split into {b} equal blocks (net.width_blocks)")
+        c = size // b
         k = channels(ratio, c)
-        if mode == "prefix":
-            out[name] = torch.arange(k)
-        elif mode == "rolling":
-            out[name] = torch.roll(torch.arange(c), int(round_idx) % c)[:k]
-        else:
-            out[name] = torch.randperm(c, generator=generator)[:k]
+        out[name] = torch.cat([h * c + _block_indices(c, k, mode, round_idx, generator) for h in range(b)])
     return out
+
+
+def _block_indices(c: int, k: int, mode: str, round_idx: int, generator: torch.Generator | None) -> Tensor:
+    """``k`` of the channels ``0..c-1`` of one block (one group when it has no blocks), by ``mode``."""
+    if mode == "prefix":
+        return torch.arange(k)
+    if mode == "rolling":
+        return torch.roll(torch.arange(c), int(round_idx) % c)[:k]
+    return torch.randperm(c, generator=generator)[:k]
 
 
 def masks_from_indices(
