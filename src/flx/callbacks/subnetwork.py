@@ -127,7 +127,9 @@ class Subnetwork(FederatedCallback):
             raise ConfigError("system=none: sub-network scheduling needs simulated devices, e.g. system=mobile20")
         if not hasattr(fed.net, "width_groups") or not hasattr(fed.net, "set_width"):
             raise bad_value(
-                "model", type(fed.net).__name__, "not width-scalable: use model=cnn_scalable|resnet18_scalable"
+                "model",
+                type(fed.net).__name__,
+                "not width-scalable: use model=cnn_scalable|resnet18_scalable|transformer_scalable",
             )
         for level in range(1, p.levels + 1):
             if wu.width(level, p.s) not in fed.system.widths:
