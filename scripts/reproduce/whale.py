@@ -53,8 +53,8 @@ test of the pipeline and outputs, not of the results; its output goes to a tempo
 Writes ``docs/results/whale/{table.md,table.csv}`` and per setting and sigma ``<setting>_sigma<s>_time.png`` (test
 accuracy and loss over simulated hours), ``_width.png`` (the WHALE variants' mean width, mean level and Fisher trace)
 and ``_levels.png`` (clients per level per round);
-``table.md`` holds Table 1 (time to target, WHALE variant vs base), Table 2 (final accuracy) for the first sigma of
-``--sigma`` and Table 3 (hours to target, speedup vs FedAvg) over the sigmas.
+``table.md`` holds Table 1 (time to target, WHALE variant vs base) and Table 2 (final accuracy) for each sigma of
+``--sigma``, and Table 3 (hours to target, speedup vs FedAvg) over the sigmas.
 """
 
 from __future__ import annotations
@@ -294,8 +294,6 @@ def main(argv: list[str]) -> None:
                 keys = ("whale/width_mean", "mean level p", "whale/fi_mean")
                 plot_curves(OUT / f"{tag}_width.png", title, widths, keys, xlabel="simulated hours")
                 plot_levels(OUT / f"{tag}_levels.png", title, {m: c for m, c in curves.items() if m in WHALE})
-            if not first:
-                continue
             head = f"### {label}, sigma = {sigma}, {rounds} rounds, test every {every}"
             rows1 = []
             for base, new in PAIRS:
