@@ -324,7 +324,10 @@ def main(argv: list[str]) -> None:
         lines += table(["method", *head3], rows3)
     if missing:
         lines[1:1] = ["", f"**Not run** (counted as not reaching the target; left out of the accuracies): {missing}"]
-    lines += [f"Wall time: {time.time() - start:.0f} s.", ""]
+    if args.stored_only:
+        lines += ["Built from the runs stored in `runs/` (no training in this call).", ""]
+    else:
+        lines += [f"Wall time: {time.time() - start:.0f} s.", ""]
     (OUT / "table.md").write_text("\n".join(lines))
     with open(OUT / "table.csv", "w", newline="") as f:
         head = [
