@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import errno
-import os
 import sys
+from typing import Any
 
 import hydra
 from hydra.errors import InstantiationException
@@ -18,44 +18,60 @@ from flx.errors import ConfigError
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR)
 
 
-def _fail(err: BaseException, status: int = 2) -> None:
-    """One line on stderr (from the first process only: under DDP every rank fails alike) and ``status``."""
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or os.environ.get("LOCAL_RANK") or "0"
-    if rank == "0":
-        print(f"flx: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(status)
+def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
+    """One line on stderr (from the first process only: under DDP every rank fails alike) and exit ``status``.
+
+    In a ``-m`` sweep the line names the job and the sweep goes on: the job returns ``{"status": status, ...}``
+    (a submitit job to the launching process, which reports it), and the process that ran the sweep exits with the
+    worst status once every job has run."""
+    from flx.launch import in_submitit_job, job_label, process_rank, record_failure, sweep_job
+
+    label = job_label()
+    line = f"flx: error: {label + ': ' if label else ''}{err}"
+    if process_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    if sweep_job() is None:
+        sys.exit(status)
+    if not in_submitit_job():
+        record_failure(label, status)
+    return {"status": status, "job": label, "error": str(err)}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics."""
     try:
         check_output_dir(cfg.paths.output_dir)
         if cfg.state_store.backend == "disk":
             check_output_dir(cfg.state_store.dir, "state_store.dir")
     except ConfigError as err:
-        _fail(err)
+        return _fail(err)
     from flx.faults import RunFailure
+    from flx.launch import as_single_run
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
 
     try:
-        metrics = train(cfg)
+        with as_single_run():
+            metrics = train(cfg)
     except ConfigError as err:
-        _fail(err)
+        return _fail(err)
     except (InstantiationException, OmegaConfBaseException) as err:  # a config value a target rejected
-        _fail(ConfigError(one_line(err)))
+        return _fail(ConfigError(one_line(err)))
     except RunFailure as err:  # diverged, or a client fault with fault.policy=stop: not a result
-        _fail(err, status=3)
+        return _fail(err, status=3)
     except OSError as err:
         if err.errno not in DISK_ERRORS:
             raise
         where = f" {err.filename}" if err.filename else ""
-        _fail(
+        return _fail(
             ConfigError(
                 f"cannot write{where}: {err.strerror}; files already written are kept (resume with "
                 "ckpt_path=<run folder>/checkpoints/last.ckpt once there is room)"
             )
         )
-    return metrics.get("test/acc")
+    from flx.launch import job_label
+
+    return {"status": 0, "job": job_label(), "output_dir": str(cfg.paths.output_dir), **metrics}
 
 
 if __name__ == "__main__":
@@ -64,3 +80,10 @@ if __name__ == "__main__":
     except ConfigError as err:
         _fail(err)
     main()
+    from flx.launch import failures
+
+    if failures():  # a sweep: every job ran; say which failed
+        print(
+            f"flx: error: {len(failures())} sweep job(s) failed: {', '.join(j for j, _ in failures())}", file=sys.stderr
+        )
+        sys.exit(max(status for _, status in failures()))

@@ -2,12 +2,14 @@
 
 * a run SIGKILLed in the middle of a round resumes from what is on disk (``ckpt_path=auto``) and ends with the
   same model, bitwise, as the uninterrupted run; earlier metrics and configs are kept;
-* a SLURM requeue signal finishes the round, checkpoints, requeues (``scontrol``, a stub here) and resumes the same;
+* a SLURM requeue signal finishes the round, checkpoints, requeues (``scontrol``, a stub here) and resumes the same
+  (tests/test_slurm.py does it on a real local cluster);
 * a client with a NaN update is dropped with a warning; a round of NaN updates, or ``algo.lr=1e8``, stops the run
   with one line and exit status 3, keeping the last finite checkpoint;
 * a full disk and a read-only output folder give one line and exit status 2, keeping what was written.
 
-All runs are subprocesses (marked slow). The uninterrupted default run is shared by the tests of this module.
+All runs are subprocesses (marked slow). The uninterrupted default run (`default_run`, tests/conftest.py) is shared
+with the SLURM tests.
 """
 
 from __future__ import annotations
@@ -16,51 +18,20 @@ import csv
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runs import assert_same_model, ckpt, flx_lines, run
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false"]
 KILL = ["+callbacks.kill._target_=helpers.KillMidRound", "+callbacks.kill.round=4"]
-
-
-def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", *QUIET, *args, f"hydra.run.dir={out}"]
-    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests"), **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=full_env)
-
-
-def ckpt(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_same_model(a: dict, b: dict) -> None:
-    assert a["state_dict"].keys() == b["state_dict"].keys()
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
 
 
 def metric_rows(out: Path) -> list[dict[str, str]]:
     """The rows of ``csv/metrics.csv`` without their empty cells."""
     with open(out / "csv" / "metrics.csv", newline="") as f:
         return [{k: v for k, v in row.items() if v} for row in csv.DictReader(f)]
-
-
-def flx_lines(stderr: str) -> list[str]:
-    """flx's own stderr lines (Lightning's banner, e.g. 'GPU available: False', may precede them)."""
-    return [line for line in stderr.splitlines() if line.startswith("flx: ")]
-
-
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("default")
-    proc = run(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc
 
 
 def test_default_run_reaches_090_and_keeps_the_last_two_round_checkpoints(default_run) -> None:
@@ -192,45 +163,3 @@ def test_full_disk_and_read_only_folder_give_one_line(tmp_path: Path) -> None:
         assert lines[0].startswith(f"flx: error: hydra.run.dir='{ro / 'run'}'") and "not writable" in lines[0]
     finally:
         subprocess.run(["umount", str(ro)], check=False)
-
-
-def _wait_for(condition, seconds: float, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
-
-
-def test_real_slurm_job_requeues_itself_and_resumes(default_run, tmp_path: Path) -> None:
-    """A one-node SLURM cluster on localhost (started by the test; tests/slurm_cluster.py) runs a requeueable job
-    with the default config, slowed to ~0.4 s a round. Once round 3's checkpoint is on disk, `scancel --signal=USR1`
-    (what `--signal=USR1@120` sends before the time limit) reaches the training step: it finishes its round,
-    checkpoints, requeues the job and stops; SLURM restarts the job (SLURM_RESTART_COUNT=1), whose `ckpt_path=auto`
-    resumes in the same folder and ends with the uninterrupted run's model, bitwise."""
-    from slurm_cluster import slurm_cluster
-
-    run_dir, log, script = tmp_path / "run", tmp_path / "job.out", tmp_path / "job.sbatch"
-    slow = "+callbacks.slow._target_=helpers.SleepPerRound +callbacks.slow.seconds=0.4"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"#SBATCH -n 1\n#SBATCH -o {log}\n#SBATCH --open-mode=append\n#SBATCH --requeue\n"
-        f"cd {ROOT}\n"
-        'echo "start restart=${SLURM_RESTART_COUNT:-0}"\n'
-        f"export PYTHONPATH={ROOT / 'tests'} PYTHONWARNINGS=ignore\n"
-        f"srun {sys.executable} train.py {' '.join(QUIET)} hydra.run.dir={run_dir} ckpt_path=auto {slow}\n"
-    )
-    with slurm_cluster(tmp_path / "slurm") as env:
-        submit = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True)
-        assert submit.returncode == 0, submit.stderr
-        job = submit.stdout.strip().split(";")[0]
-        _wait_for(lambda: (run_dir / "checkpoints" / "round_00003.ckpt").exists(), 180, "round 3's checkpoint")
-        subprocess.run(["scancel", "--signal=USR1", job], env=env, check=True)
-        _wait_for(lambda: log.exists() and "final test_acc" in log.read_text(), 300, "the requeued job to finish")
-    text = log.read_text()
-    assert "start restart=0" in text and "start restart=1" in text, text[-3000:]
-    assert "flx: requeued after round" in text, text[-3000:]
-    assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(run_dir / "checkpoints" / "last.ckpt"))

@@ -23,12 +23,6 @@ from typing_extensions import override
 LAST = "last.ckpt"  # the newest round checkpoint of a run folder (a hard link; flx.callbacks.checkpoint)
 
 
-def slurm_job_id() -> str | None:
-    """The job id ``scontrol requeue`` takes (``<array job>_<task>`` for array jobs), or None outside SLURM."""
-    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
-
-
 def atomic_write_bytes(data: bytes, path: str) -> None:
     """Writes ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
     folder = os.path.dirname(os.path.abspath(path))

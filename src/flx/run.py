@@ -19,12 +19,13 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
-from flx.checkpoint_io import LAST, AtomicCheckpointIO, slurm_job_id
+from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, validate
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
+from flx.launch import process_rank, slurm_job_id, slurm_restarts
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule
 from flx.resources import build_server_resources
@@ -43,6 +44,8 @@ warnings.filterwarnings("ignore", message=r".*Total length of `list` across rank
 # flx logs round-level values that are identical on every rank (summed in the round's one all-reduce): syncing them
 # again would cost a collective per key
 warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level in distributed.*")
+# srun on the PATH outside a SLURM job is a login node or a test machine, not a mistake
+warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system but is not used.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
 # Lightning's info lines ("GPU available: ...") go to stdout: stderr carries flx's warnings and one-line errors only
 for _name in ("lightning.pytorch", "lightning.fabric"):
@@ -158,7 +161,7 @@ def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
     """
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized() or os.environ.get("LOCAL_RANK", "0") != "0":
+    if not HydraConfig.initialized() or process_rank() != 0:  # every rank runs this; one writes
         return
     folder = os.path.join(HydraConfig.get().runtime.output_dir, ".hydra")
     os.makedirs(folder, exist_ok=True)
@@ -173,8 +176,12 @@ def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
 
 def resume_path(cfg: DictConfig) -> str | None:
     """``ckpt_path``, with ``auto`` resolved: the run folder's ``checkpoints/last.ckpt`` if there is one (a requeued
-    or restarted job), else None (a fresh start). The checkpoint must match the config (:func:`check_ckpt`)."""
+    or restarted job), else None (a fresh start). A SLURM job that was requeued (``SLURM_RESTART_COUNT`` > 0, e.g. a
+    submitit sweep job after preemption) means ``auto`` when ``ckpt_path`` is null. The checkpoint must match the
+    config (:func:`check_ckpt`)."""
     path = cfg.get("ckpt_path")
+    if path is None and slurm_restarts() > 0 and cfg.get("checkpoint") is not None:
+        path = "auto"  # a requeued job (preempted, timed out) resumes where it stopped instead of starting over
     if path != "auto":
         return path
     if cfg.get("checkpoint") is None:

@@ -11,9 +11,9 @@ a hard link to the newest, so a run killed at any instant resumes from ``checkpo
 With ``monitor`` set (e.g. ``val/acc``), ``best.ckpt`` holds the round whose validation value of that metric is the
 best so far (``mode`` max or min), judged on rounds where validation ran.
 
-SLURM: on ``requeue_signal`` (``sbatch --signal=B:USR1@120``) the run finishes the current round, writes its
-checkpoint, asks SLURM to requeue the job (``scontrol requeue``) and stops; the requeued job resumes with
-``ckpt_path=auto`` (``scripts/slurm/train.sbatch``). Lightning's own handler is not used because it writes a
+SLURM: on ``requeue_signal`` (``sbatch --signal=USR1@120``, sent to the job's tasks) the run finishes the current
+round, writes its checkpoint, asks SLURM to requeue the job (``scontrol requeue``) and stops; the requeued job resumes
+with ``ckpt_path=auto`` (``scripts/slurm/train.sbatch``). Lightning's own handler is not used because it writes a
 checkpoint in the middle of a round, whose partial aggregate cannot be resumed exactly.
 """
 
@@ -31,9 +31,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
-from flx.checkpoint_io import LAST, atomic_link, slurm_job_id
+from flx.checkpoint_io import LAST, atomic_link
 from flx.config import check_checkpoint
 from flx.errors import ConfigError
+from flx.launch import slurm_job_id
 
 log = logging.getLogger(__name__)
 BEST = "best.ckpt"

@@ -1,0 +1,135 @@
+"""How this process was launched: its rank before the process group exists, its SLURM job, its Hydra sweep job.
+
+flx runs as one process (``python train.py``), as N processes that Lightning starts itself (``trainer=ddp``), as N
+SLURM tasks (``srun python train.py``, ``scripts/slurm/*.sbatch``) or as one job of a Hydra ``-m`` sweep, in this
+process or on SLURM through submitit (``hydra/launcher=slurm``). These helpers give every launch the same answers:
+which process writes the outputs (rank zero), which job of a sweep this is, and whether a requeued job must resume.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# what Lightning's launcher exports for the processes it starts (lightning.fabric's subprocess launcher)
+DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def process_rank() -> int:
+    """This process's global rank, read from the environment so that it is known before the process group exists:
+    ``RANK`` (torchrun), else ``SLURM_PROCID`` when the job step runs several tasks (``srun``), else ``LOCAL_RANK``
+    (Lightning's child processes on one machine), else 0."""
+    if os.environ.get("RANK"):
+        return int(os.environ["RANK"])
+    if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and os.environ.get("SLURM_PROCID"):
+        return int(os.environ["SLURM_PROCID"])
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def slurm_job_id() -> str | None:
+    """The job id ``scontrol requeue`` takes (``<array job>_<task>`` for array jobs), or None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
+def slurm_restarts() -> int:
+    """How often SLURM has requeued this job (``SLURM_RESTART_COUNT``; 0 outside SLURM or on the first start)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) if slurm_job_id() is not None else 0
+
+
+def in_submitit_job() -> bool:
+    """Whether this process is a job started by submitit (``hydra/launcher=slurm``): its failures must fail the job."""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
+
+
+def sweep_job() -> tuple[int, list[str]] | None:
+    """``(job number, the job's overrides)`` for a job of a Hydra ``-m`` sweep, None for a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return int(hc.job.num), list(hc.overrides.task)
+
+
+def varying(overrides: list[str], sweep_dir: str) -> list[str]:
+    """The overrides whose keys the sweep's command line sweeps over (``a=1,2``, ``range(...)``, ...; read from the
+    ``multirun.yaml`` Hydra writes in the sweep folder); all of them if that is not known."""
+    swept = swept_keys(os.path.join(sweep_dir, "multirun.yaml"))
+    return [o for o in overrides if not swept or o.split("=", 1)[0].lstrip("+~") in swept]
+
+
+def swept_keys(multirun_yaml: str) -> set[str]:
+    """The keys a sweep's command line sweeps over, from the ``multirun.yaml`` Hydra writes in the sweep folder."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    if not os.path.isfile(multirun_yaml):
+        return set()
+    command_line = OmegaConf.select(OmegaConf.load(multirun_yaml), "hydra.overrides.task", default=[]) or []
+    parsed = OverridesParser.create().parse_overrides(list(command_line))
+    return {o.key_or_group for o in parsed if o.is_sweep_override()}
+
+
+_failed: list[tuple[str, int]] = []  # (job label, exit status) of the sweep jobs that failed, in this process
+
+
+def record_failure(label: str, status: int) -> None:
+    """Notes that a sweep job failed; the sweep goes on and the process exits with the worst status at the end."""
+    _failed.append((label, status))
+
+
+def failures() -> list[tuple[str, int]]:
+    """The sweep jobs recorded as failed so far (:func:`record_failure`)."""
+    return list(_failed)
+
+
+def job_label() -> str:
+    """``job 3 (algo.lr=0.1 seed=2)`` for a sweep job (its values of the swept keys), else the empty string: says
+    which result is which."""
+    from hydra.core.hydra_config import HydraConfig
+
+    job = sweep_job()
+    if job is None:
+        return ""
+    return f"job {job[0]} ({' '.join(varying(job[1], str(HydraConfig.get().sweep.dir)))})"
+
+
+@contextmanager
+def as_single_run() -> Iterator[None]:
+    """Inside a sweep job, makes the process look like the single run of that job while it trains.
+
+    Lightning starts the other ranks of ``trainer=ddp`` by re-running this script with ``sys.argv`` and Hydra's
+    ``hydra.run.dir``. In a sweep job those are the whole sweep's command line (``-m`` and every value) and the run
+    folder of a single run, so each child would run the whole sweep again, in new folders. Here ``sys.argv`` becomes
+    this job's overrides and ``hydra.run.dir`` this job's output folder, so the children join this job. The
+    variables Lightning sets for its children (``LOCAL_RANK``, ``MASTER_PORT``, ...) are removed after the job: left
+    over, they would make the next job believe its processes were started by someone else, and wait for them."""
+    job = sweep_job()
+    if job is None:
+        yield
+        return
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict, read_write
+
+    hc = HydraConfig.get()
+    argv, run_dir, env = sys.argv, hc.run.dir, {k: os.environ.get(k) for k in DDP_ENV}
+    with read_write(hc), open_dict(hc):
+        hc.run.dir = hc.runtime.output_dir
+    sys.argv = [argv[0], *job[1]]
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        with read_write(hc), open_dict(hc):
+            hc.run.dir = run_dir

@@ -1,0 +1,49 @@
+"""Runs of the real entry point (``train.py`` in a subprocess) shared by the crash-safety and SLURM tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false"]
+# what a subprocess needs to find the test-only parts (helpers.SleepPerRound, ...) and to stay quiet
+ENV = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests")}
+
+
+def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` with the default config otherwise, writing to ``out``."""
+    cmd = [sys.executable, "train.py", *QUIET, *args, f"hydra.run.dir={out}"]
+    full_env = {**os.environ, **ENV, **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=full_env)
+
+
+def ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_model(a: dict, b: dict) -> None:
+    """Bitwise equal global models."""
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+
+
+def flx_lines(stderr: str) -> list[str]:
+    """flx's own stderr lines (Lightning's banner, e.g. 'GPU available: False', may precede them)."""
+    return [line for line in stderr.splitlines() if line.startswith("flx: ")]
+
+
+def wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}")

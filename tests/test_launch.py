@@ -1,0 +1,79 @@
+"""How flx is launched (flx.launch): ranks from the environment, resume of a requeued job, Hydra sweeps with DDP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from runs import ENV, ROOT, flx_lines
+
+from flx.config import precheck
+from flx.launch import process_rank, slurm_restarts
+from flx.run import resume_path, train
+
+TINY = ["model=logreg", "partition.num_clients=4", "algo.clients_per_round=2", "algo.local_steps=2", "algo.rounds=1"]
+QUIET = ["callbacks=none", "trainer.enable_progress_bar=false", "logger=none"]
+RANK_ENV = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_RESTART_COUNT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for key in RANK_ENV:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [
+        ({}, 0),
+        ({"RANK": "3", "LOCAL_RANK": "1"}, 3),  # torchrun
+        ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, 2),  # srun, 4 tasks
+        ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "LOCAL_RANK": "1"}, 1),  # Lightning's child in a 1-task job
+        ({"LOCAL_RANK": "1"}, 1),  # Lightning's child on a workstation
+    ],
+)
+def test_process_rank_before_the_process_group_exists(clean_env, env: dict[str, str], rank: int) -> None:
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    assert process_rank() == rank
+
+
+def test_a_requeued_slurm_job_resumes_from_its_last_checkpoint(clean_env, tmp_path: Path) -> None:
+    """ckpt_path=null in a job SLURM has restarted (a submitit sweep job after preemption) means auto: the run
+    folder's last.ckpt; on the first start, or outside SLURM, a fresh start."""
+    cfg = precheck([*TINY, *QUIET, f"paths.output_dir={tmp_path}"])
+    train(cfg)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.exists() and cfg.ckpt_path is None
+    assert resume_path(cfg) is None
+    clean_env.setenv("SLURM_JOB_ID", "7")
+    assert slurm_restarts() == 0 and resume_path(cfg) is None
+    clean_env.setenv("SLURM_RESTART_COUNT", "1")
+    assert slurm_restarts() == 1 and resume_path(cfg) == str(last)
+
+
+@pytest.mark.slow
+def test_sweep_with_ddp_writes_only_its_job_folders_and_survives_a_bad_value(tmp_path: Path) -> None:
+    """``-m`` with ``trainer=ddp``: each job's second process joins that job (not a new sweep in new folders), every
+    job writes one config; a bad value fails its own job with one line, the others run, the exit status is 2."""
+    sweep, logs = tmp_path / "sweep", tmp_path / "logs"
+    cmd = [sys.executable, "train.py", "-m", "trainer=ddp", *TINY, *QUIET, "algo.lr=0.05,-1,0.1"]
+    cmd += [f"hydra.sweep.dir={sweep}", f"paths.log_dir={logs}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = flx_lines(proc.stderr)
+    assert lines == [
+        "flx: error: job 1 (algo.lr=-1): algo.lr=-1: must be > 0",
+        "flx: error: 1 sweep job(s) failed: job 1 (algo.lr=-1)",
+    ]
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "2", "multirun.yaml"]
+    for job, lr in (("0", 0.05), ("2", 0.1)):
+        assert (sweep / job / "checkpoints" / "last.ckpt").exists()
+        (config,) = (sweep / job / ".hydra").glob("config*.yaml")
+        assert OmegaConf.load(config).algo.lr == lr
+    assert not list((sweep / "1").rglob("*.ckpt")) and not logs.exists()  # no folders of a second sweep

@@ -1,0 +1,107 @@
+"""flx on a real SLURM cluster: slurmctld + slurmd on localhost (tests/slurm_cluster.py), one per module.
+
+* ``scripts/slurm/train.sbatch`` submitted with 2 CPU tasks (``srun``, DDP over gloo) ends with the final line and
+  the global model of the same run launched directly (``trainer=ddp trainer.devices=2``), bitwise; its log is plain
+  lines (no progress-bar redraws) and its run folder holds one config, written by rank zero;
+* the same job sent its pre-timeout signal (SIGUSR1, what ``#SBATCH --signal=USR1@120`` sends) after round 3 finishes
+  the round, checkpoints and requeues itself; SLURM restarts it (``SLURM_RESTART_COUNT=1``), it resumes from the
+  last round checkpoint and ends with the uninterrupted run's model, bitwise;
+* a Hydra ``-m`` sweep through ``hydra/launcher=slurm`` (submitit) runs one SLURM job per point: the default point's
+  model equals the direct default run, bitwise; a bad value fails only its own job (one line); the launching process
+  names every job's result and exits with status 2.
+
+All runs use the default config (``make train``'s). Without root, or where slurmd cannot start, the tests skip with
+the reason. The daemons are stopped, and every job cancelled, when the module ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from runs import ENV, ROOT, assert_same_model, ckpt, flx_lines, run, wait_for
+from slurm_cluster import slurm_cluster
+
+pytestmark = pytest.mark.slow
+SBATCH = ["sbatch", "--parsable", "--gres=none", "--ntasks-per-node=2", "--cpus-per-task=1"]
+SLOW = ["+callbacks.slow._target_=helpers.SleepPerRound", "+callbacks.slow.seconds=0.4"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+        yield {**env, **ENV, "FLX_PYTHON": sys.executable}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default run on 2 processes that Lightning starts itself: what a 2-task SLURM job must reproduce."""
+    out = tmp_path_factory.mktemp("two")
+    proc = run(out, "trainer=ddp", "trainer.devices=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def submit(env: dict[str, str], log: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [*SBATCH, f"--output={log}", "scripts/slurm/train.sbatch", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def finished(env: dict[str, str], job: str) -> bool:
+    return not subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip()
+
+
+def test_train_sbatch_with_two_tasks_equals_the_direct_run(cluster, two_processes: Path, tmp_path: Path) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    job = submit(cluster, log, f"hydra.run.dir={out}")
+    wait_for(lambda: finished(cluster, job), 300, f"job {job}")
+    text = log.read_text()
+    assert "1 node(s) x 2 task(s), start 0" in text and "final test_acc=" in text, text[-3000:]
+    direct = (two_processes / "csv" / "metrics.csv").read_text()
+    assert (out / "csv" / "metrics.csv").read_text() == direct  # every round's metrics, as the direct run logged them
+    assert_same_model(ckpt(two_processes / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+    assert "\r" not in text  # a log file gets lines, not progress-bar redraws
+    assert sorted(p.name for p in (out / ".hydra").glob("config*.yaml")) == ["config.yaml"]  # rank zero wrote it
+
+
+def test_requeued_job_resumes_and_ends_with_the_uninterrupted_model(cluster, two_processes, tmp_path: Path) -> None:
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    job = submit(cluster, log, f"hydra.run.dir={out}", *SLOW)
+    wait_for(lambda: (out / "checkpoints" / "round_00003.ckpt").exists(), 240, "round 3's checkpoint")
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster, check=True)  # what --signal=USR1@120 sends
+    wait_for(lambda: log.exists() and "final test_acc" in log.read_text(), 300, "the requeued job to finish")
+    text = log.read_text()
+    assert "start 0" in text and "start 1" in text, text[-3000:]
+    assert text.count("flx: requeued after round") == 1, text[-3000:]
+    assert_same_model(ckpt(two_processes / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+
+
+def test_sweep_through_the_submitit_launcher(cluster, default_run, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", "algo.lr=0.05,0.1,-1", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=cluster, capture_output=True, text=True, timeout=600, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("flx: job")]
+    assert proc.returncode == 2 and len(lines) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert lines[0].startswith("flx: job 0 (algo.lr=0.05): final test_acc=") and lines[0].endswith(f"({sweep / '0'})")
+    assert lines[1].startswith("flx: job 1 (algo.lr=0.1): final test_acc=")
+    assert lines[2] == "flx: job 2 (algo.lr=-1): failed (exit status 2): algo.lr=-1: must be > 0"
+    assert flx_lines(proc.stderr)[-1] == "flx: error: 1 sweep job(s) failed: job 2 (algo.lr=-1)"
+    assert_same_model(
+        ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(sweep / "0" / "checkpoints" / "last.ckpt")
+    )
+    assert not (sweep / "2" / "checkpoints").exists()  # bad input: nothing trained, nothing written
+    logs = {p.parent.name: p.read_text() for p in sweep.glob(".submitit/*_*/*_log.out")}
+    assert len(logs) == 3 and sum("final test_acc=" in text for text in logs.values()) == 2, logs.keys()
+    assert os.path.getsize(sweep / "1" / "csv" / "metrics.csv") > 0
