@@ -398,3 +398,21 @@ def test_repeated_copies_start_from_the_round_start_client_state() -> None:
     )
     run_rounds(fed, 2)
     assert float(fed.store.get(0)["visits"]) == 2 and float(fed.store.get(1)["visits"]) == 2
+
+
+def test_cohort_is_the_last_rounds_distinct_sample() -> None:
+    """``fed.cohort``: empty before a round, then the distinct clients of the round being trained or last trained
+    (what the per-client tables mark as sampled), a draw with repeats counted once."""
+
+    class Repeats(FederatedCallback):
+        def sample_clients(self, fed, round_idx, rng):
+            return [3, 1, 3]
+
+    fed = make_fed(linear(), toy_data([4, 5, 6, 7]), clients_per_round=2, local_steps=1)
+    assert fed.cohort == ()
+    for r in range(2):
+        run_rounds(fed, 1, start=r)
+        assert fed.cohort == tuple(sorted(fed.sample(r))) and len(fed.cohort) == 2
+    fed = make_fed(linear(), toy_data([4, 5, 6, 7]), [Repeats()], clients_per_round=3, local_steps=1)
+    fed.begin_round(0)
+    assert fed.cohort == (1, 3)

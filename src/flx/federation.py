@@ -194,6 +194,12 @@ class Federation:
     def num_samples(self, cid: int) -> int:
         return len(self.data.client_indices[cid])
 
+    @property
+    def cohort(self) -> tuple[int, ...]:
+        """The distinct clients sampled in the current round, or in the last round trained (the one the global model
+        now being evaluated comes from); sorted; ``()`` before this process's first round."""
+        return self.rnd.cohort if self.rnd is not None else ()
+
     # ------------------------------------------------------------------ server
     def sample(self, round_idx: int) -> list[int]:
         """The round's cohort (with repeats if a sampling part draws with replacement)."""

@@ -34,6 +34,7 @@ from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
+from flx.wandb_logging import describe_run, finish
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
 # the pytree notice is Lightning's own deprecation, not the user's
@@ -88,6 +89,7 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     if cfg.trainer.get("enable_progress_bar") is False:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
+    describe_run(loggers, cfg)  # W&B: the run config and code version, logged when its run starts (rank zero)
     kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
@@ -209,11 +211,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     save_config(cfg, dm)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     if getattr(trainer.checkpoint_callback, "requeued", False):  # the callback said so before asking SLURM
+        finish(trainer)
         return {}
     results = trainer.test(
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True
     )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+    finish(trainer)  # W&B: the run's files are complete when train returns
     if trainer.is_global_zero and "test/acc" in metrics:
         print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
     elif trainer.is_global_zero and "test/mse" in metrics:  # regression

@@ -41,7 +41,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.metrics.auc import AUROCs
-from flx.metrics.client_summary import PerClientAccuracy, PerClientMSE
+from flx.metrics.client_summary import PerClientAccuracy, PerClientLoss, PerClientMSE
 from flx.models import heads
 from flx.task_spec import CLASSES, REAL, TARGETS, TOKENS, mismatch
 
@@ -66,16 +66,28 @@ class SplitMetrics(nn.Module):
     client_key: str | None = None  # the per-client metric's name; None: no per-client summary
     higher_is_better = True  # of the per-client metric: its worst client is the min (else the max)
 
-    def __init__(self, loss_fn: LossFn) -> None:
+    def __init__(self, loss_fn: LossFn, num_clients: int = 0) -> None:
         super().__init__()
         self.loss_fn, self.loss = loss_fn, MeanMetric()
+        self.client_loss = PerClientLoss(num_clients) if num_clients else None
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         """A batch of the split's rows: ``outputs`` of the net, ``target`` from the store."""
         self.loss.update(self.loss_fn(outputs, target), weight=len(target))
 
     def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
-        """A batch of per-client rows (``client``: each row's owner)."""
+        """A batch of per-client rows (``client``: each row's owner); here each client's loss and row count."""
+        if self.client_loss is not None:
+            self.client_loss.update(self.loss_fn, outputs, target, client)
+
+    def client_loss_values(self) -> tuple[Tensor, Tensor] | None:
+        """Each client's mean loss and number of evaluation rows (NaN and 0: no rows); resets them. None: the
+        split's metrics track no clients."""
+        if self.client_loss is None:
+            return None
+        values = self.client_loss.compute()
+        self.client_loss.reset()
+        return values
 
     def values(self) -> dict[str, Metric | Tensor]:
         """What to log now as ``{split}/<name>``: Metric objects (Lightning computes and resets them) or tensors
@@ -94,7 +106,7 @@ class ClassificationMetrics(SplitMetrics):
     client_key = "acc"
 
     def __init__(self, loss_fn: LossFn, num_classes: int, num_clients: int) -> None:
-        super().__init__(loss_fn)
+        super().__init__(loss_fn, num_clients)
         self.acc = MulticlassAccuracy(num_classes, average="micro")
         self.client = PerClientAccuracy(num_clients)
         self.auc = AUROCs() if num_classes == 2 else None
@@ -106,6 +118,7 @@ class ClassificationMetrics(SplitMetrics):
             self.auc.update(heads.binary_margin(outputs), target)
 
     def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        super().update_clients(outputs, target, client)
         self.client.update(heads.predict(outputs), target, client)
 
     def values(self) -> dict[str, Metric | Tensor]:
@@ -127,7 +140,7 @@ class RegressionMetrics(SplitMetrics):
     client_key, higher_is_better = "mse", False
 
     def __init__(self, loss_fn: LossFn, num_clients: int) -> None:
-        super().__init__(loss_fn)
+        super().__init__(loss_fn, num_clients)
         self.mse, self.client = MeanSquaredError(), PerClientMSE(num_clients)
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
@@ -136,6 +149,7 @@ class RegressionMetrics(SplitMetrics):
         self.mse.update(pred.reshape(-1), target.reshape(-1))
 
     def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        super().update_clients(outputs, target, client)
         self.client.update(*as_target(outputs, target), client)
 
     def values(self) -> dict[str, Metric | Tensor]:
@@ -272,7 +286,7 @@ class MaskedLMMetrics(SplitMetrics):
     client_key = "acc"
 
     def __init__(self, loss_fn: LossFn, num_clients: int) -> None:
-        super().__init__(loss_fn)
+        super().__init__(loss_fn, num_clients)
         self.acc, self.client = MeanMetric(), PerClientAccuracy(num_clients)
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
@@ -283,6 +297,7 @@ class MaskedLMMetrics(SplitMetrics):
         self.acc.update(hits / n.clamp_min(1), weight=n)
 
     def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
+        super().update_clients(outputs, target, client)
         scored = target != IGNORE  # (B, L); each scored token counts for its row's owner
         self.client.update(outputs.argmax(-1)[scored], target[scored], client[:, None].expand_as(target)[scored])
 

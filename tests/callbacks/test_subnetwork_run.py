@@ -14,6 +14,8 @@ import torch
 from flx.config import precheck
 from flx.errors import ConfigError
 from flx.run import build, train
+from flx.wandb_files import load_run
+from flx.wandb_logging import ROUND
 
 pytestmark = pytest.mark.slow
 QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu"]
@@ -47,16 +49,12 @@ def test_whale_logs_levels_fisher_and_the_clock(tmp_path: Path) -> None:
         assert sum(h["fi"].values()) / len(h["fi"]) == pytest.approx(logged(out, "whale/fi_mean")[r], rel=1e-6)
 
 
-def test_whale_resume_equals_uninterrupted_and_writes_wandb_plots(tmp_path: Path, monkeypatch) -> None:
+def test_whale_resume_equals_uninterrupted_and_writes_wandb_plots(tmp_path: Path) -> None:
     """4 rounds == 2 + 2 from the checkpoint: the model, the Fisher windows, the level history and the clock. The
-    uninterrupted run logs to W&B offline: the level / Fisher histograms each round, the history table at the end."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    uninterrupted run logs to W&B offline (read back from its run files): the level / Fisher histograms each round,
+    the history table and the Fisher trace at the end."""
     base = ["algo=whale", "system=mobile20", *TINY]
     train(precheck([*base, "algo.rounds=4", "logger=wandb", f"paths.output_dir={tmp_path / 'a'}"]))
-    import wandb
-
-    wandb.finish()  # flush the offline run before reading it
     train(precheck([*base, "algo.rounds=2", "logger=none", f"paths.output_dir={tmp_path / 'b'}"]))
     ckpt = tmp_path / "b" / "checkpoints" / "last.ckpt"
     train(precheck([*base, "algo.rounds=4", "logger=none", f"ckpt_path={ckpt}", f"paths.output_dir={tmp_path / 'c'}"]))
@@ -72,9 +70,14 @@ def test_whale_resume_equals_uninterrupted_and_writes_wandb_plots(tmp_path: Path
     assert json.loads((tmp_path / "c" / "whale.json").read_text())["rounds"] == json.loads(
         json.dumps(part_a["history"])
     )
-    (run,) = (tmp_path / "a" / "wandb").rglob("*.wandb")
-    raw = run.read_bytes()
-    assert all(k in raw for k in (b"whale/level_hist", b"whale/fi_hist", b"whale/history", b"whale/fisher_trace"))
+    run = load_run(tmp_path / "a")
+    hists = [row for row in run.history if "whale/level_hist" in row]
+    assert [row[ROUND] for row in hists] == [1, 2, 3, 4] and all("whale/fi_hist" in row for row in hists)
+    assert [sum(row["whale/level_hist"]["values"]) for row in hists] == [6] * 4  # every client, every round
+    ((_, table),) = run.tables("whale/history")
+    assert len(table) == 4 * 6 and {r["round"] for r in table} == {0, 1, 2, 3}
+    assert [r["level"] for r in table] == [lvl for h in part_a["history"] for lvl in h["level"].values()]
+    assert run.tables("whale/fisher_trace_table")
 
 
 @pytest.mark.parametrize("algo", ["heterofl", "fedrolex", "feddropout", "whale_rolex", "whale_dropout"])

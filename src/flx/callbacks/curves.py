@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -64,6 +65,19 @@ EVAL_ONLY = (
 )  # logged on validated rounds only: not recorded (stale) on the others
 
 
+def record_round(history: dict[str, list[tuple[int, float]]], trainer: pl.Trainer, keys: Iterable[str]) -> None:
+    """Appends ``(round, value)`` of each of ``keys`` in ``trainer.callback_metrics`` to ``history[key]``, for round
+    ``current_epoch`` (1-based). Call it once the round's training, validation and logging are done: at the next
+    round's ``on_train_epoch_start`` and at ``on_train_end``. Evaluation keys (``EVAL_ONLY``) only on validated rounds
+    (on the others they are stale), a round at most once per key."""
+    rnd, metrics, every = trainer.current_epoch, trainer.callback_metrics, trainer.check_val_every_n_epoch
+    validated = every is None or rnd % every == 0
+    for key in keys:
+        points = history.setdefault(key, [])
+        if key in metrics and (not points or points[-1][0] != rnd) and (validated or not key.startswith(EVAL_ONLY)):
+            points.append((rnd, float(metrics[key])))
+
+
 class RoundCurves(pl.Callback):
     """Collects ``TRACKED`` metrics at every round end and plots them against the round.
 
@@ -76,13 +90,7 @@ class RoundCurves(pl.Callback):
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
     def _record(self, trainer: pl.Trainer) -> None:
-        """Records round ``current_epoch`` (1-based): called once its training, validation and logging are done."""
-        rnd, metrics, every = trainer.current_epoch, trainer.callback_metrics, trainer.check_val_every_n_epoch
-        validated = every is None or rnd % every == 0
-        for key in TRACKED:
-            fresh = not self.history[key] or self.history[key][-1][0] != rnd
-            if key in metrics and fresh and (validated or not key.startswith(EVAL_ONLY)):
-                self.history[key].append((rnd, float(metrics[key])))
+        record_round(self.history, trainer, TRACKED)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

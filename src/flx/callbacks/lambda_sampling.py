@@ -30,7 +30,8 @@ A round is one collective: the snapshot sum and DRFA-GA's losses are registered 
 that ride in the round's all-reduce, and every rank evaluates all of :math:`U` at :math:`w^{(t')}` (which exists
 only after that reduce), so :math:`v` needs none.
 The part keeps :math:`\lambda` and its history in its ``state_dict``; at the end of fit it writes
-``lambda.json`` next to ``curves.json`` and logs ``lambda/<i>`` every round (and a W&B table when W&B is on).
+``lambda.json`` next to ``curves.json`` and logs ``lambda/<i>`` every round; with W&B, the line plot ``lambda/plot``
+(lambda per client over the rounds, the first ``MAX_PLOTTED_CLIENTS`` clients, and the max and min).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from flx import simplex
 from flx.errors import bad_value
 from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
+from flx.wandb_logging import log_line_series
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, RoundContext
@@ -59,6 +61,7 @@ _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
 # registered statistics: the snapshot sum (shaped like fed.local_state) then its weight; DRFA-GA's (N,) full losses
 _SNAPSHOT, _FULL_LOSSES = "lambda/snapshot", "lambda/full_losses"
 MAX_LOGGED_CLIENTS = 100  # lambda/<i> is logged per client up to this many clients (lambda/max always)
+MAX_PLOTTED_CLIENTS = 20  # W&B's lambda/plot: a line per client for the first this many, and the max and min
 
 
 @dataclass(frozen=True)
@@ -282,16 +285,12 @@ class LambdaSampling(FederatedCallback):
         os.makedirs(trainer.default_root_dir, exist_ok=True)
         with open(os.path.join(trainer.default_root_dir, "lambda.json"), "w") as f:
             json.dump({"round_end": self.history}, f)
-        wandb_loggers = [lg for lg in trainer.loggers if type(lg).__name__ == "WandbLogger"]
-        if wandb_loggers:
-            import wandb
-
-            n = len(self.history[0])
-            table = wandb.Table(columns=["round", *[f"lambda_{i}" for i in range(n)]])
-            for r, row in enumerate(self.history, start=1):
-                table.add_data(r, *row)
-            for logger in wandb_loggers:
-                logger.experiment.log({"lambda/history": table})
+        rounds = range(1, len(self.history) + 1)
+        series = {f"lambda_{i}": list(zip(rounds, col)) for i, col in enumerate(zip(*self.history))}
+        shown = dict(list(series.items())[:MAX_PLOTTED_CLIENTS])
+        shown |= {"max": [(r, max(row)) for r, row in zip(rounds, self.history)]}
+        shown |= {"min": [(r, min(row)) for r, row in zip(rounds, self.history)]}
+        log_line_series(trainer, "lambda/plot", shown, "lambda per client over rounds")
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
 from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
 from flx.sampling import derive_seed
+from flx.wandb_logging import ROUND, wandb_loggers
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, RoundContext
@@ -266,13 +267,14 @@ class Subnetwork(FederatedCallback):
         if values:
             pl_module.log_dict(values, on_epoch=True)
         if self.history and trainer.is_global_zero:
-            for logger in _wandb_loggers(trainer):  # the per-round histograms: W&B draws them over the rounds
+            for logger in wandb_loggers(trainer):  # the per-round histograms: W&B draws them over the rounds
                 import wandb
 
                 last = self.history[-1]
                 hists = {"whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=p.levels)}
                 if last["fi"]:
                     hists["whale/fi_hist"] = wandb.Histogram(list(last["fi"].values()))
+                hists[ROUND] = float(trainer.current_epoch + 1)  # this round, 1-based: the charts' x-axis
                 logger.log_metrics(hists, step=trainer.global_step)
 
     @override
@@ -284,7 +286,7 @@ class Subnetwork(FederatedCallback):
         os.makedirs(trainer.default_root_dir, exist_ok=True)
         with open(os.path.join(trainer.default_root_dir, "whale.json"), "w") as f:
             json.dump({"rounds": self.history}, f)
-        loggers = _wandb_loggers(trainer)
+        loggers = wandb_loggers(trainer)
         if not loggers:
             return
         import wandb
@@ -313,7 +315,3 @@ class Subnetwork(FederatedCallback):
         self.windows = [list(w) for w in state_dict["windows"]]
         self.time_to_target = state_dict.get("time_to_target")
         self.history = list(state_dict.get("history", []))
-
-
-def _wandb_loggers(trainer: pl.Trainer) -> list[Any]:
-    return [lg for lg in trainer.loggers if type(lg).__name__ == "WandbLogger"]

@@ -7,6 +7,8 @@ processes equals the one on 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -60,6 +62,39 @@ class PerClientMSE(Metric):
     def compute(self) -> Tensor:
         """MSE per client; NaN for a client without test samples."""
         return self.sse / self.total.double()
+
+
+class PerClientLoss(Metric):
+    """Mean loss of each client's evaluation rows, and their number.
+
+    The rows of one client come in runs (the per-client loader concatenates each client's rows); each run adds the
+    task's batch-mean loss times its rows, so a client's value is its row-weighted mean loss (exact for per-row
+    losses; a masked language model's token mean is weighted by rows, not tokens, across batches).
+
+    Args:
+        num_clients: number of clients (size of the sum vectors).
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_clients: int) -> None:
+        super().__init__()
+        self.add_state("loss_sum", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("rows", torch.zeros(num_clients, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(
+        self, loss_fn: Callable[[Tensor, Tensor], Tensor], outputs: Tensor, target: Tensor, client: Tensor
+    ) -> None:
+        """``loss_fn``: the task's batch-mean loss; ``client``: ``(B,)`` owner ids of the rows."""
+        ids, counts = torch.unique_consecutive(client, return_counts=True)
+        sizes = counts.tolist()
+        for cid, out, tgt, n in zip(ids.tolist(), outputs.split(sizes), target.split(sizes), sizes):
+            self.loss_sum[cid] += loss_fn(out, tgt).double() * n
+            self.rows[cid] += n
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        """Mean loss per client (NaN: no rows) and rows per client."""
+        return self.loss_sum / self.rows.double(), self.rows.clone()
 
 
 def summarize(values: Tensor, higher_is_better: bool = True) -> dict[str, Tensor]:

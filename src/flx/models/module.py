@@ -18,7 +18,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 
 from flx.faults import Diverged
@@ -27,6 +26,7 @@ from flx.hooks import FederatedCallback
 from flx.loop import IDLE
 from flx.metrics.client_summary import spread, summarize
 from flx.tasks import Classification, Task
+from flx.wandb_logging import ROUND, wandb_loggers
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -147,6 +147,8 @@ class FederatedModule(pl.LightningModule):
 
     def _eval_epoch_end(self, stage: str) -> None:
         dm = self.trainer.datamodule
+        if self.loggers:  # the round the evaluated model comes from: the x-axis of the evaluation's metrics
+            self.log(ROUND, float(self.federation.server.round), add_dataloader_idx=False)
         for split in dict.fromkeys(split for split, _ in dm.eval_plan(stage)):
             if stage == "val":
                 self._check_finite(split)
@@ -176,7 +178,7 @@ class FederatedModule(pl.LightningModule):
         key = self.task.client_key
         for k, v in spread(per_client, self.task.higher_is_better).items():
             self.log(f"{split}/{name}_{key}_{k}", v.float(), add_dataloader_idx=False)
-        self._log_client_table(split, per_client, f"{name}_{key}")
+        self._log_client_table(split, {f"{name}_{key}": per_client})
 
     def _check_finite(self, split: str) -> None:
         """A non-finite loss of the global model during fit: the run stops as diverged (never ends with it)."""
@@ -194,7 +196,11 @@ class FederatedModule(pl.LightningModule):
             per_client, key = metrics.client_values(), metrics.client_key
             for k, v in summarize(per_client, metrics.higher_is_better).items():
                 self.log(f"{split}/client_{key}_{k}", v, add_dataloader_idx=False)
-            self._log_client_table(split, per_client, key)
+            columns = {key: per_client}
+            loss_rows = metrics.client_loss_values()
+            if loss_rows is not None:
+                columns |= {"loss": loss_rows[0], "samples": loss_rows[1]}
+            self._log_client_table(split, columns)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
@@ -202,20 +208,30 @@ class FederatedModule(pl.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 
-    def _log_client_table(self, split: str, per_client: Tensor, key: str = "acc") -> None:
-        """W&B: the per-client table and a bar chart of it (clients without test samples are left out)."""
-        loggers = [lg for lg in self.loggers if isinstance(lg, WandbLogger)] if self.trainer.is_global_zero else []
+    def _log_client_table(self, split: str, columns: dict[str, Tensor]) -> None:
+        """W&B, rank zero: the table ``{split}/client_<key>_table``, with ``<key>`` the first column's name, and a bar
+        chart of that column, ``{split}/client_<key>_bar``. One row per client with evaluation rows: ``client``, the
+        ``columns`` (the global model's: the task's per-client metric, ``loss``, ``samples``: its evaluation rows),
+        ``train_samples`` (its training rows) and ``sampled`` (in the cohort of the round the model comes from)."""
+        loggers = wandb_loggers(self.trainer)
         if not loggers:
             return
         import wandb
 
-        rows = [[c, a] for c, a in enumerate(per_client.tolist()) if not math.isnan(a)]
-        table = wandb.Table(columns=["client", key], data=rows)
+        key, fed = next(iter(columns)), self.federation
+        cohort, values = set(fed.cohort), {k: v.tolist() for k, v in columns.items()}
+        rows = [
+            [c, *(v[c] for v in values.values()), fed.num_samples(c) if c < fed.num_clients else 0, c in cohort]
+            for c, a in enumerate(values[key])
+            if not math.isnan(a)
+        ]
+        table = wandb.Table(columns=["client", *columns, "train_samples", "sampled"], data=rows)
         model = "the personalised models" if key.startswith("personal_") else "the global model"
         title = f"{split}: {'accuracy' if key == 'acc' else key} of {model} per client"
         for logger in loggers:
             bar = wandb.plot.bar(table, "client", key, title=title)
-            logger.experiment.log({f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar})
+            tables = {f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar}
+            logger.experiment.log(tables | {ROUND: float(fed.server.round)})  # logged: give the round
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
