@@ -2,7 +2,7 @@
 
 * ``scripts/slurm/train.sbatch`` submitted with 2 CPU tasks (``srun``, DDP over gloo) ends with the final line and
   the global model of the same run launched directly (``trainer=ddp trainer.devices=2``), bitwise; its log is plain
-  lines (no progress-bar redraws) and its run folder holds one config, written by rank zero;
+  lines (no progress-bar redraws) and its run folder holds one config and one W&B run, written by rank zero;
 * the same job sent its pre-timeout signal (SIGUSR1, what ``#SBATCH --signal=USR1@120`` sends) after round 3 finishes
   the round, checkpoints and requeues itself; SLURM restarts it (``SLURM_RESTART_COUNT=1``), it resumes from the
   last round checkpoint and ends with the uninterrupted run's model, bitwise;
@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from runs import ENV, ROOT, assert_same_model, ckpt, flx_lines, run, wait_for
 from slurm_cluster import slurm_cluster
+
+from flx.wandb_files import load_run
 
 pytestmark = pytest.mark.slow
 SBATCH = ["sbatch", "--parsable", "--gres=none", "--ntasks-per-node=2", "--cpus-per-task=1"]
@@ -65,7 +67,7 @@ def finished(env: dict[str, str], job: str) -> bool:
 
 def test_train_sbatch_with_two_tasks_equals_the_direct_run(cluster, two_processes: Path, tmp_path: Path) -> None:
     log, out = tmp_path / "job.out", tmp_path / "run"
-    job = submit(cluster, log, f"hydra.run.dir={out}")
+    job = submit(cluster, log, f"hydra.run.dir={out}", "logger=[csv,wandb]")  # W&B offline (tests/conftest.py)
     wait_for(lambda: finished(cluster, job), 300, f"job {job}")
     text = log.read_text()
     assert "1 node(s) x 2 task(s), start 0" in text and "final test_acc=" in text, text[-3000:]
@@ -74,6 +76,9 @@ def test_train_sbatch_with_two_tasks_equals_the_direct_run(cluster, two_processe
     assert_same_model(ckpt(two_processes / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
     assert "\r" not in text  # a log file gets lines, not progress-bar redraws
     assert sorted(p.name for p in (out / ".hydra").glob("config*.yaml")) == ["config.yaml"]  # rank zero wrote it
+    (wandb_run,) = (out / "wandb").glob("offline-run-*")  # one W&B run, from rank zero, with the whole config
+    config = load_run(wandb_run).config
+    assert config["trainer"]["devices"] == 2 and config["algo"]["name"] == "fedavg" and config["seed"] == 0
 
 
 def test_requeued_job_resumes_and_ends_with_the_uninterrupted_model(cluster, two_processes, tmp_path: Path) -> None:
