@@ -8,7 +8,9 @@
   last round checkpoint and ends with the uninterrupted run's model, bitwise;
 * a Hydra ``-m`` sweep through ``hydra/launcher=slurm`` (submitit) runs one SLURM job per point: the default point's
   model equals the direct default run, bitwise; a bad value fails only its own job (one line); the launching process
-  names every job's result and exits with status 2.
+  names every job's result and exits with status 2;
+* a sweep job requeued from outside (preemption) restarts and resumes from its last round checkpoint, with
+  ``ckpt_path`` left null, and ends with the default run's model, bitwise.
 
 All runs use the default config (``make train``'s). Without root, or where slurmd cannot start, the tests skip with
 the reason. The daemons are stopped, and every job cancelled, when the module ends.
@@ -110,3 +112,26 @@ def test_sweep_through_the_submitit_launcher(cluster, default_run, tmp_path: Pat
     logs = {p.parent.name: p.read_text() for p in sweep.glob(".submitit/*_*/*_log.out")}
     assert len(logs) == 3 and sum("final test_acc=" in text for text in logs.values()) == 2, logs.keys()
     assert os.path.getsize(sweep / "1" / "csv" / "metrics.csv") > 0
+
+
+def test_preempted_sweep_job_resumes_from_its_last_checkpoint(cluster, default_run, tmp_path: Path) -> None:
+    """A sweep job requeued from outside after round 3 (what preemption with requeue does) restarts with
+    SLURM_RESTART_COUNT=1; with ckpt_path left null it resumes from its folder's last.ckpt (not from round 0) and ends
+    with the default run's model, bitwise."""
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", "seed=0", *SLOW, f"hydra.sweep.dir={sweep}"]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=cluster, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (sweep / "0" / "checkpoints" / "round_00003.ckpt").exists(), 240, "round 3's checkpoint")
+        job = subprocess.run(["squeue", "-h", "-o", "%i"], env=cluster, capture_output=True, text=True).stdout.split()
+        subprocess.run(["scontrol", "requeue", job[0]], env=cluster, check=True)
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0 and "flx: job 0 (seed=0" in stdout, stdout[-3000:] + stderr[-3000:]
+    (console,) = sweep.glob(".submitit/*/*_log.out")
+    text = console.read_text()
+    assert "Restoring states from the checkpoint path" in text and text.count("final test_acc=") == 1, text[-3000:]
+    assert_same_model(
+        ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(sweep / "0" / "checkpoints" / "last.ckpt")
+    )
