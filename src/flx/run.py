@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from flx import loop
 from flx.checkpoint_io import LAST, AtomicCheckpointIO, slurm_job_id
 from flx.config import data_protocol, validate
+from flx.console import final_line, headline, sweep_job
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import bad_value, instantiate
 from flx.federation import Federation, FederationConfig
@@ -44,6 +45,10 @@ warnings.filterwarnings("ignore", message=r".*Total length of `list` across rank
 # again would cost a collective per key
 warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level in distributed.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
+# the planned end of fit: the progress bar's last line and the final line say it (other stops are still reported)
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda r: "stopped: `max_epochs=" not in r.getMessage()
+)
 # Lightning's info lines ("GPU available: ...") go to stdout: stderr carries flx's warnings and one-line errors only
 for _name in ("lightning.pytorch", "lightning.fabric"):
     for _handler in logging.getLogger(_name).handlers:
@@ -195,8 +200,16 @@ def _tested_checkpoint(cfg: DictConfig, trainer: pl.Trainer) -> str | None:
     return best
 
 
+def print_final_line(metrics: dict[str, float], names: tuple[str, ...]) -> None:
+    """``final test_acc=0.9123 test_auroc=0.8812`` (the headline metrics of the test), then ``(job <n>: <swept
+    overrides>)`` in a ``-m`` sweep (:mod:`flx.console`)."""
+    line = final_line(metrics, names, sweep_job())
+    if line is not None:
+        print(line, flush=True)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Runs fit then test; returns the final metrics and prints ``final test_acc=<value>``."""
+    """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``)."""
     ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
     save_config(cfg, dm)
@@ -207,10 +220,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True
     )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
-    if trainer.is_global_zero and "test/acc" in metrics:
-        print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
-    elif trainer.is_global_zero and "test/mse" in metrics:  # regression
-        print(f"final test_mse={metrics['test/mse']:.4f}", flush=True)
+    if trainer.is_global_zero:
+        print_final_line(metrics, headline(module.task, trainer.callbacks))
     # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
     # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
     # exception", status -6)
