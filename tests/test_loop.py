@@ -56,6 +56,7 @@ TINY = [
     f"algo.local_steps={K}",
     "logger=none",
     "callbacks.round_curves=null",
+    "callbacks.progress_bar.mode=bar",  # the client bar is drawn (to the captured stderr): its total is checked
     "trainer.accelerator=cpu",
     "checkpoint.keep_last=null",
     "+algo.parts.rec._target_=test_loop.Recorder",
@@ -149,7 +150,7 @@ class Recorder(FederatedCallback):
         self._add(trainer.current_epoch, "on_train_epoch_start", seen=trainer.num_training_batches)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        total = trainer.progress_bar_callback.train_progress_bar.total
+        total = trainer.progress_bar_callback.clients.total
         self._add(trainer.current_epoch, "on_train_batch_start", int(batch), seen=total)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -258,7 +259,7 @@ def test_checkpoint_at_each_round_end(run: tuple[Recorder, pl.Trainer, DictConfi
 
 def test_progress_bar_total_is_the_rounds_clients(run: tuple[Recorder, pl.Trainer, DictConfig]) -> None:
     """The loop sets ``fit_loop.max_batches = rnd.slots`` before ``on_train_epoch_start`` (``RoundLoader`` has no
-    length), so ``trainer.num_training_batches`` and the TQDM bar's total are this rank's clients of the round:
+    length), so ``trainer.num_training_batches`` and the client bar's total are this rank's clients of the round:
     3, 2, 3, and the bar is reset to it at every round."""
     rec, _, _ = run
     per_round = {e[0]: rec.seen[e] for e in rec.events if e[1] == "on_train_epoch_start"}

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -287,7 +288,8 @@ def test_disk_state_store_matches_memory(tmp_path: Path) -> None:
 
 
 def test_multirun_sweep(tmp_path: Path) -> None:
-    """`-m algo.lr=0.01,0.05` runs one job per value (the pre-run check leaves sweeps to the jobs)."""
+    """`-m algo.lr=0.01,0.05` runs one job per value (the pre-run check leaves sweeps to the jobs); each final line says
+    which job it is."""
     cmd = [
         sys.executable,
         "train.py",
@@ -302,6 +304,11 @@ def test_multirun_sweep(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("final test_acc=") == 2
+    # each job's final line names it: its number and its value of the swept key only
+    assert re.findall(r"^final test_acc=\d\.\d{4} for (.*)$", proc.stdout, re.M) == [
+        "job 0 (algo.lr=0.01)",
+        "job 1 (algo.lr=0.05)",
+    ]
 
 
 def test_binary_imbalanced_digits_config(tmp_path: Path) -> None:

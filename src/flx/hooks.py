@@ -50,6 +50,10 @@ from flx.context import ClientContext, FederationConfig, RoundContext
 if TYPE_CHECKING:  # for annotations only: the core imports this module, never the reverse at run time
     from flx.federation import Federation
 
+# the headline of a part that personalises (``personalize``): its clients' mean personalised metric, the task's
+# accuracy or MSE (``{split}/personal_<acc|mse>_mean``)
+PERSONAL_HEADLINE = ("personal_acc_mean", "personal_mse_mean")
+
 HOOKS = (
     "on_attach",
     "sample_clients",
@@ -68,7 +72,14 @@ HOOKS = (
 
 
 class FederatedCallback(Callback):
-    """Base class of algorithm parts. Override only the hooks the mechanism needs."""
+    """Base class of algorithm parts. Override only the hooks the mechanism needs.
+
+    ``headline`` names the metrics the part logs that a person reads first (without the split: ``auroc`` for
+    ``val/auroc`` and ``test/auroc``); the progress bar and the final line show them after the task's own
+    (:mod:`flx.console`). Names a run did not log are left out.
+    """
+
+    headline: tuple[str, ...] = ()
 
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         """Before the Trainer starts: raise a ConfigError for data or protocol settings the part cannot use.

@@ -21,11 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from flx import loop
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, validate
+from flx.console import final_line, headline
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
-from flx.launch import process_rank, slurm_job_id, slurm_restarts
+from flx.launch import job_label, process_rank, slurm_job_id, slurm_restarts
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule
 from flx.resources import build_server_resources
@@ -48,6 +49,10 @@ warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on ep
 # srun on the PATH outside a SLURM job is a login node or a test machine, not a mistake
 warnings.filterwarnings("ignore", message=r".*The `srun` command is available on your system but is not used.*")
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda r: "💡 Tip:" not in r.getMessage())
+# the planned end of fit: the progress bar's last line and the final line say it (other stops are still reported)
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda r: "stopped: `max_epochs=" not in r.getMessage()
+)
 # Lightning's info lines ("GPU available: ...") go to stdout: stderr carries flx's warnings and one-line errors only
 for _name in ("lightning.pytorch", "lightning.fabric"):
     for _handler in logging.getLogger(_name).handlers:
@@ -204,8 +209,16 @@ def _tested_checkpoint(cfg: DictConfig, trainer: pl.Trainer) -> str | None:
     return best
 
 
+def print_final_line(metrics: dict[str, float], names: tuple[str, ...]) -> None:
+    """``final test_acc=0.9123 test_auroc=0.8812`` (the headline metrics of the test), then ``for job <n> (<swept
+    overrides>)`` in a ``-m`` sweep (:mod:`flx.console`, :func:`flx.launch.job_label`)."""
+    line = final_line(metrics, names, job_label())
+    if line is not None:
+        print(line, flush=True)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Runs fit then test; returns the final metrics and prints ``final test_acc=<value>``."""
+    """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``)."""
     ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
     save_config(cfg, dm)
@@ -218,10 +231,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     finish(trainer)  # W&B: the run's files are complete when train returns
-    if trainer.is_global_zero and "test/acc" in metrics:
-        print(f"final test_acc={metrics['test/acc']:.4f}", flush=True)
-    elif trainer.is_global_zero and "test/mse" in metrics:  # regression
-        print(f"final test_mse={metrics['test/mse']:.4f}", flush=True)
+    if trainer.is_global_zero:
+        print_final_line(metrics, headline(module.task, trainer.callbacks))
     # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
     # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
     # exception", status -6)

@@ -8,7 +8,9 @@ and handed to :class:`~flx.models.module.FederatedModule`. It gives
 - ``targets`` and ``target_dtype``: class labels (int64) or real values (float32 in the store, cast once to the
   net's dtype: :class:`~flx.datamodules.datamodule.ClientStore`);
 - ``num_outputs(data, binary_head)``: the net's output columns;
-- ``metrics(num_classes, num_clients)``: one split's evaluation metrics (:class:`SplitMetrics`).
+- ``metrics(num_classes, num_clients)``: one split's evaluation metrics (:class:`SplitMetrics`);
+- ``headline``: the names of the metrics a person looks at first (``acc``), shown by the progress bar and the final
+  line (:mod:`flx.console`).
 
 The shipped tasks (``task=``):
 
@@ -186,6 +188,8 @@ class Task:
     name = "task"
     targets = CLASSES
     client_key, higher_is_better = "loss", False  # the per-client metric of personalised evaluation
+    # the run's headline metrics (logged names without the split): the progress bar and the final line show them
+    headline: tuple[str, ...] = ("loss",)
 
     def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
         """The batch mean of the per-client metric (:meth:`flx.federation.Federation.evaluate_clients`)."""
@@ -222,6 +226,7 @@ class Classification(Task):
 
     name = "classification"
     client_key, higher_is_better = "acc", True
+    headline = ("acc",)
 
     def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
         return heads.classification_loss(outputs, target)
@@ -243,7 +248,7 @@ class Regression(Task):
     """
 
     name, targets = "regression", REAL
-    client_key = "mse"
+    client_key, headline = "mse", ("mse",)
 
     def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
         return F.mse_loss(*as_target(outputs, target))
@@ -323,6 +328,7 @@ class MaskedLM(Task):
 
     name, targets = "masked_lm", TOKENS
     client_key, higher_is_better = "acc", True
+    headline = ("acc", "ppl")
 
     def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
         nll, scored = token_nll(outputs, target)
@@ -374,6 +380,7 @@ class Custom(Task):
             raise bad_value("task.targets", targets, f"allowed: {', '.join(TARGETS)}")
         self.loss_fn, self.metric_fn, self.targets = loss, metric, targets
         self.metric_name = None if metric is None else metric_name or _name_of(metric)
+        self.headline = ("loss",) if self.metric_name is None else (self.metric_name,)
 
     def _args(self, outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
         return as_target(outputs, target) if self.targets == REAL else (outputs, target)

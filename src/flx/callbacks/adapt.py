@@ -26,7 +26,7 @@ import torch
 from typing_extensions import override
 
 from flx.errors import bad_value
-from flx.hooks import FederatedCallback
+from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -46,6 +46,8 @@ class AdaptParams:
 class Adapt(FederatedCallback):
     """``personalize``: ``steps`` full-batch gradient steps of size ``lr`` on the client's support rows; each count of
     ``also_steps`` is evaluated too and logged as ``{split}/adapted<k>_<metric>_{mean,worst,p10}``."""
+
+    headline = PERSONAL_HEADLINE
 
     def __init__(self, **params: Any) -> None:
         self.params = p = AdaptParams(**params)

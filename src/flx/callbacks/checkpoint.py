@@ -112,7 +112,7 @@ class RoundCheckpoint(Checkpoint):
             if best and trainer.is_global_zero:
                 atomic_link(self.last_model_path, self.best_model_path)
         elif best:
-            trainer.save_checkpoint(self.best_model_path)
+            trainer.save_checkpoint(self.best_model_path, weights_only=False)
         if requeue:
             self._requeue(trainer)
 
@@ -131,7 +131,9 @@ class RoundCheckpoint(Checkpoint):
         self.last_model_path = path
         if path not in self.saved:
             self.saved.append(path)
-        trainer.save_checkpoint(path)  # every rank takes part; rank 0 writes (atomically, flx.checkpoint_io)
+        # every rank takes part; rank 0 writes (atomically, flx.checkpoint_io). weights_only=False: the whole training
+        # state (loops, parts, server); Lightning logs a line at every save when it is left unset
+        trainer.save_checkpoint(path, weights_only=False)
         self._last_time = time.monotonic()
         if trainer.is_global_zero:
             atomic_link(path, os.path.join(self.dirpath, LAST))

@@ -30,7 +30,7 @@ from typing_extensions import override
 from flx.callbacks.fbe import as_regularizer
 from flx.callbacks.personal_model import from_state, install, keep, stored
 from flx.errors import bad_value
-from flx.hooks import FederatedCallback
+from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ class DittoParams:
 class Ditto(FederatedCallback):
     """Ditto's personal models: one proximal step on :math:`v_i` per local step (``on_local_step_end``), kept in the
     state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.callbacks.fbe.FBE`."""
+
+    headline = PERSONAL_HEADLINE
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = DittoParams(**params)

@@ -47,7 +47,7 @@ from typing_extensions import override
 
 from flx.autodiff import FD_EPS, HVP_MODES
 from flx.errors import bad_value
-from flx.hooks import FederatedCallback
+from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer, make_regularizer
 from flx.sampling import derive_seed
 
@@ -154,6 +154,8 @@ class FBEParams:
 class FBE(FederatedCallback):
     """pFedFBE's local step (``on_local_grad``) and personalised model (``personalize``); ``regularizer``: a
     :class:`~flx.regularizers.Regularizer` or its config ``{name, mu, params, ...}`` (None: :math:`h = 0`)."""
+
+    headline = PERSONAL_HEADLINE
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = FBEParams(**params)

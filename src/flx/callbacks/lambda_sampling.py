@@ -82,6 +82,8 @@ class LambdaParams:
 class LambdaSampling(FederatedCallback):
     """The server's mixing weights ``lambda``: cohort sampling, snapshot model, projected (or prox) dual ascent."""
 
+    headline = ("client_acc_worst", "client_mse_worst")  # the worst client: what DRFA optimises
+
     def __init__(self, **params: Any) -> None:
         self.params = p = LambdaParams(**params)
         for key, value, allowed in (

@@ -101,6 +101,8 @@ class PassiveBuffer(FederatedCallback):
     Symbols: ``gamma`` (u rate), ``beta`` (momentum rate), ``lam`` (KL-OPAUC temperature), ``margin``.
     """
 
+    headline = ("auroc", "pauc_0.3", "pauc_0.5")  # the paper's Tables 2-3
+
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
         for key, allowed in CHOICES.items():

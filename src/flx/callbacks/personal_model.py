@@ -32,7 +32,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.errors import bad_value
-from flx.hooks import FederatedCallback
+from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 
 if TYPE_CHECKING:
     from flx.context import ClientContext
@@ -76,6 +76,8 @@ class PersonalModelParams:
 
 class PersonalModel(FederatedCallback):
     """The personalised model of an algorithm without one: the global model or the client's last local model."""
+
+    headline = PERSONAL_HEADLINE
 
     def __init__(self, model: str = "global") -> None:
         if model not in MODELS:

@@ -39,7 +39,7 @@ from typing_extensions import override
 from flx.callbacks.fbe import as_regularizer, full_grad
 from flx.callbacks.personal_model import install, keep, stored
 from flx.errors import bad_value
-from flx.hooks import FederatedCallback
+from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ def inner_solve(
 class PFedMe(FederatedCallback):
     """pFedMe's local update (``local_update``) and personal model (``personalize``); ``regularizer`` as in
     :class:`~flx.callbacks.fbe.FBE` (None: :math:`h = 0`, pFedMe as published)."""
+
+    headline = PERSONAL_HEADLINE
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = PFedMeParams(**params)
