@@ -1,4 +1,5 @@
-"""How flx is launched (flx.launch): ranks from the environment, resume of a requeued job, Hydra sweeps with DDP."""
+"""How flx is launched (flx.launch): ranks and run folders from the environment, resume of a requeued job, Hydra
+sweeps with DDP."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from omegaconf import OmegaConf
 from runs import ENV, ROOT, flx_lines
 
 from flx.config import precheck
-from flx.launch import process_rank, slurm_restarts
+from flx.launch import process_rank, run_name, slurm_restarts
 from flx.run import resume_path, train
 
 TINY = ["model=logreg", "partition.num_clients=4", "algo.clients_per_round=2", "algo.local_steps=2", "algo.rounds=1"]
 QUIET = ["callbacks=none", "trainer.enable_progress_bar=false", "logger=none"]
-RANK_ENV = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_RESTART_COUNT")
+RANK_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+    "SLURM_RESTART_COUNT",
+    "SLURM_STEP_ID",
+)
 
 
 @pytest.fixture
@@ -41,6 +50,22 @@ def test_process_rank_before_the_process_group_exists(clean_env, env: dict[str, 
     for key, value in env.items():
         clean_env.setenv(key, value)
     assert process_rank() == rank
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({}, "2026-11-23_10-00-00"),
+        ({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}, "2026-11-23_10-00-00"),  # one task
+        ({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2"}, "2026-11-23_10-00-00"),  # the batch shell, not a step
+        ({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, "slurm-42.3"),
+    ],
+)
+def test_every_task_of_a_slurm_step_names_the_same_run_folder(clean_env, env: dict[str, str], name: str) -> None:
+    """Each task resolves hydra.run.dir itself: in a step of several tasks the name cannot come from the clock."""
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    assert run_name("2026-11-23_10-00-00") == name
 
 
 def test_a_requeued_slurm_job_resumes_from_its_last_checkpoint(clean_env, tmp_path: Path) -> None:

@@ -16,11 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value
+from flx.launch import run_name
 from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 from flx.systems.params import check_system
 from flx.task_spec import check_task
 
+# the run folder's name (configs/hydra/default.yaml): the same on every task of a SLURM job step (flx.launch.run_name)
+OmegaConf.register_new_resolver("flx_run_name", run_name, use_cache=True, replace=True)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
 STRATEGIES = ("auto", "ddp", "flx_ddp")

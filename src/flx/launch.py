@@ -28,6 +28,17 @@ def process_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0") or 0)
 
 
+def run_name(timestamp: str) -> str:
+    """The name of a single run's folder (``hydra.run.dir``, resolver ``flx_run_name``): ``timestamp``, except in a
+    SLURM job step of several tasks (``srun python train.py``), where each task would read its own clock and could
+    name another folder: there ``slurm-<job>.<step>``, which every task of the step computes alike (and a requeued
+    job computes again, so it finds its checkpoints)."""
+    job, step = slurm_job_id(), os.environ.get("SLURM_STEP_ID")
+    if job is not None and step is not None and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        return f"slurm-{job}.{step}"
+    return timestamp
+
+
 def slurm_job_id() -> str | None:
     """The job id ``scontrol requeue`` takes (``<array job>_<task>`` for array jobs), or None outside SLURM."""
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
