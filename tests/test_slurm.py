@@ -3,7 +3,8 @@
 * ``scripts/slurm/train.sbatch`` submitted with 2 CPU tasks (``srun``, DDP over gloo) ends with the final line and
   the global model of the same run launched directly (``trainer=ddp trainer.devices=2``), bitwise; its log is plain
   lines (no progress-bar redraws) and its run folder holds one config and one W&B run, written by rank zero;
-* ``srun -n 2 python train.py trainer=ddp`` without a run folder: both tasks write to one folder;
+* ``srun --ntasks-per-node=2 python train.py trainer=ddp`` without a run folder: both tasks write to one folder
+  (``srun -n 2``, which Lightning cannot read, gives one line);
 * the same job sent its pre-timeout signal (SIGUSR1, what ``#SBATCH --signal=USR1@120`` sends) after round 3 finishes
   the round, checkpoints and requeues itself; SLURM restarts it (``SLURM_RESTART_COUNT=1``), it resumes from the
   last round checkpoint and ends with the uninterrupted run's model, bitwise;
@@ -85,14 +86,21 @@ def test_train_sbatch_with_two_tasks_equals_the_direct_run(cluster, two_processe
 
 
 def test_srun_without_a_run_dir_gives_every_task_one_folder(cluster, tmp_path: Path) -> None:
-    """``srun -n 2 python train.py trainer=ddp`` with the default run folder: both tasks name it slurm-<job>.<step>
-    (not each its own clock's second), so the run has one folder holding one config."""
-    cmd = ["srun", "-n", "2", sys.executable, "train.py", "trainer=ddp", "algo.rounds=2", f"paths.log_dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cluster, capture_output=True, text=True, timeout=300, check=False)
+    """``srun --ntasks-per-node=2 python train.py trainer=ddp`` with the default run folder: both tasks name it
+    slurm-<job>.<step> (not each its own clock's second), so the run has one folder holding one config."""
+    cmd = [sys.executable, "train.py", "trainer=ddp", "algo.rounds=2", f"paths.log_dir={tmp_path}"]
+    srun = ["srun", "--ntasks-per-node=2", *cmd]
+    proc = subprocess.run(srun, cwd=ROOT, env=cluster, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.count("final test_acc=") == 1, proc.stderr[-3000:]
     (folder,) = (tmp_path / "train" / "runs").iterdir()
     assert folder.name.startswith("slurm-") and folder.name.endswith(".0"), folder.name
     assert sorted(p.name for p in (folder / ".hydra").glob("config*.yaml")) == ["config.yaml"]
+    # `srun -n 2` is a layout Lightning cannot read (it counts tasks per node): one line, exit status 2
+    proc = subprocess.run(["srun", "-n", "2", *cmd], cwd=ROOT, env=cluster, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and flx_lines(proc.stderr) == [
+        "flx: error: SLURM: You set `--ntasks=2` in your SLURM bash script, but this variable is not supported. HINT: "
+        "Use `--ntasks-per-node=2` instead"
+    ], proc.stderr[-3000:]
 
 
 def test_requeued_job_resumes_and_ends_with_the_uninterrupted_model(cluster, two_processes, tmp_path: Path) -> None:

@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx import loop
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
-from flx.config import data_protocol, validate
+from flx.config import data_protocol, one_line, validate
 from flx.console import final_line, headline
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.errors import bad_value, instantiate
+from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import job_label, process_rank, slurm_job_id, slurm_restarts
@@ -99,7 +99,10 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
     if slurm_job_id() is not None:  # flx requeues itself at a round boundary (RoundCheckpoint), not mid-round
-        kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))
+        try:
+            kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))
+        except RuntimeError as err:  # e.g. `srun -n 2`: Lightning counts processes per node (--ntasks-per-node)
+            raise ConfigError(f"SLURM: {one_line(err)}") from None
     trainer_cfg = {k: v for k, v in cfg.trainer.items() if k != "process_group_backend"}
     trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
     return loop.install(trainer)
