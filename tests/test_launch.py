@@ -102,3 +102,13 @@ def test_sweep_with_ddp_writes_only_its_job_folders_and_survives_a_bad_value(tmp
         (config,) = (sweep / job / ".hydra").glob("config*.yaml")
         assert OmegaConf.load(config).algo.lr == lr
     assert not list((sweep / "1").rglob("*.ckpt")) and not logs.exists()  # no folders of a second sweep
+
+
+def test_a_slurm_sweep_without_sbatch_gives_one_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "train.py", "-m", "hydra/launcher=slurm", "algo.lr=0.05,0.1", f"hydra.sweep.dir={tmp_path}"]
+    env = {**os.environ, **ENV, "PATH": str(tmp_path)}  # no sbatch there
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and flx_lines(proc.stderr) == [
+        "flx: error: hydra/launcher='slurm': needs SLURM's sbatch on the PATH (run the sweep on a login node)"
+    ], proc.stderr[-3000:]
+    assert not list(tmp_path.iterdir())

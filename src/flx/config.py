@@ -53,6 +53,7 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    _check_launcher(overrides)
     if any(o.startswith("-") for o in overrides):
         # Hydra's own flags: -m sweeps (their values are checked per job, inside the run), --cfg/--info/--help
         # introspection, --config-name/-cp selecting another config: leave the command line to Hydra
@@ -78,6 +79,14 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
     _check_wandb(cfg)
     _check_run_dir(overrides, cfg)
     return cfg
+
+
+def _check_launcher(overrides: Sequence[str]) -> None:
+    """``hydra/launcher=slurm`` submits with SLURM's ``sbatch``: without it submitit would fail with a traceback."""
+    import shutil
+
+    if "hydra/launcher=slurm" in overrides and shutil.which("sbatch") is None:
+        raise bad_value("hydra/launcher", "slurm", "needs SLURM's sbatch on the PATH (run the sweep on a login node)")
 
 
 def _check_files(cfg: DictConfig) -> None:
