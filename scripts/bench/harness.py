@@ -31,14 +31,22 @@ from flx.run import build, build_net
 
 _OUTPUT_DIR = tempfile.TemporaryDirectory(prefix="flx-bench-")  # paths.output_dir of every run, removed at exit
 
-QUIET_OVERRIDES = (
-    "logger=none",
-    "callbacks=none",
-    "++trainer.enable_progress_bar=false",
-    "++trainer.enable_checkpointing=false",
-    "++trainer.enable_model_summary=false",
-    "++trainer.limit_val_batches=0",
-)
+# the plain loop evaluates nothing, so flx's validation is off in both settings (eval_every = rounds, no batches)
+NO_EVAL = ("++trainer.limit_val_batches=0",)
+SETTINGS = {
+    # what a user gets: the progress bar / console lines, the CSV logger, round checkpoints, the default callbacks
+    "defaults": NO_EVAL,
+    # everything around the rounds switched off: the floor of flx's own round machinery
+    "lean": (
+        "logger=none",
+        "callbacks=none",
+        "++trainer.enable_progress_bar=false",
+        "++trainer.enable_checkpointing=false",
+        "++trainer.enable_model_summary=false",
+        *NO_EVAL,
+    ),
+}
+settings = "defaults"  # which of SETTINGS the runs use (run.py --settings)
 
 
 @dataclass
@@ -69,7 +77,7 @@ def quiet() -> None:
 
 
 def overrides(w: Workload, rounds: int, accelerator: str, out_dir: str, threads: int | None = None) -> list[str]:
-    """The full flx command line of a workload run with validation, logging and checkpoints off."""
+    """The full flx command line of a workload run: validation off, the rest as :data:`settings` says."""
     return [
         *w.overrides,
         f"algo.rounds={rounds}",
@@ -77,7 +85,7 @@ def overrides(w: Workload, rounds: int, accelerator: str, out_dir: str, threads:
         f"trainer.accelerator={accelerator}",
         f"paths.output_dir={out_dir}",
         *([f"num_threads={threads}"] if threads else []),
-        *QUIET_OVERRIDES,
+        *SETTINGS[settings],
     ]
 
 

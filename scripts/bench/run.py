@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="cProfile one flx fit per workload (top functions)")
     p.add_argument("--whatif", default="", help="comma-separated runtime patches of suggested flx fixes: seed,log,xfer")
     p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "bench.json")
+    p.add_argument(
+        "--settings",
+        choices=list(harness.SETTINGS),
+        default="defaults",
+        help="flx's settings: defaults (progress bar, CSV logger, round checkpoints as shipped) or lean (all off)",
+    )
     return p.parse_args(argv)
 
 
@@ -164,12 +170,15 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "quick": args.quick,
         "whatif": args.whatif,
+        "settings": args.settings,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     harness.quiet()
+    harness.settings = args.settings
+    print(f"flx settings: {args.settings} ({' '.join(harness.SETTINGS[args.settings])})")
     if args.whatif:
         import whatif
 
