@@ -72,6 +72,9 @@ class SplitMetrics(nn.Module):
         super().__init__()
         self.loss_fn, self.loss = loss_fn, MeanMetric()
         self.client_loss = PerClientLoss(num_clients) if num_clients else None
+        # whether update_clients tracks each client's loss and rows: only W&B's per-client table reads them, so the
+        # module switches it on with a W&B logger (on every rank alike: computing them syncs across ranks)
+        self.track_client_loss = False
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         """A batch of the split's rows: ``outputs`` of the net, ``target`` from the store."""
@@ -79,13 +82,13 @@ class SplitMetrics(nn.Module):
 
     def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
         """A batch of per-client rows (``client``: each row's owner); here each client's loss and row count."""
-        if self.client_loss is not None:
+        if self.client_loss is not None and self.track_client_loss:
             self.client_loss.update(self.loss_fn, outputs, target, client)
 
     def client_loss_values(self) -> tuple[Tensor, Tensor] | None:
         """Each client's mean loss and number of evaluation rows (NaN and 0: no rows); resets them. None: the
-        split's metrics track no clients."""
-        if self.client_loss is None:
+        split's metrics track no clients' losses (``track_client_loss``)."""
+        if self.client_loss is None or not self.track_client_loss:
             return None
         values = self.client_loss.compute()
         self.client_loss.reset()

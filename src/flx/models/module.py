@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 
 from flx.faults import Diverged
@@ -74,6 +75,13 @@ class FederatedModule(pl.LightningModule):
 
     def configure_optimizers(self) -> None:
         return None  # local optimizers live in the federation, the server optimizer too
+
+    def setup(self, stage: str) -> None:
+        # each client's evaluation loss and rows feed only W&B's per-client table: without W&B they are not computed
+        # (a per-client loss per batch and a sync per evaluation); the loggers are the same on every rank
+        tracked = any(isinstance(lg, WandbLogger) for lg in self.trainer.loggers)
+        for metrics in self.metrics.values():
+            metrics.track_client_loss = tracked
 
     # ------------------------------------------------------------------ federated training
     def on_fit_start(self) -> None:
