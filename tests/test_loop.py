@@ -9,14 +9,15 @@ flx's own, not Lightning's):
 .. code-block:: text
 
     sample_clients, on_round_start      FederatedFitLoop.on_advance_start: before any epoch hook
-    on_train_epoch_start                the loop has set max_batches = rnd.slots (the progress bar's total)
-    per slot (one client of the shard):
-        on_train_batch_start
+    on_train_epoch_start                the loop has set the round's one batch: this rank's shard (the bar's total)
+    on_train_batch_start                once: the batch is the shard
+        per client of the shard:
             on_client_start             the net holds w^t
             K x (sample_batch, local_loss, on_local_grad, on_local_step_end)
             on_client_end
-        on_train_batch_end
-    on_server_step, on_round_end        FederatedEpochLoop.on_advance_end after the last slot: before validation
+            on_train_client_end         a Lightning callback's per-client tick (the progress bar's client bar)
+    on_train_batch_end
+    on_server_step, on_round_end        FederatedEpochLoop.on_advance_end after the batch: before validation
     on_validation_start ... end         Lightning's check inside the epoch loop, if (t + 1) % eval_every == 0
     on_train_epoch_end                  after validation (Lightning 2.x validates inside the epoch loop)
     on_save_checkpoint                  RoundCheckpoint (a monitoring callback: after the module's epoch-end hook)
@@ -151,10 +152,15 @@ class Recorder(FederatedCallback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         total = trainer.progress_bar_callback.clients.total
-        self._add(trainer.current_epoch, "on_train_batch_start", int(batch), seen=total)
+        self._add(trainer.current_epoch, "on_train_batch_start", tuple(batch), seen=total)
+
+    def on_train_client_end(self, trainer, pl_module, cid) -> None:
+        self._add(trainer.current_epoch, "on_train_client_end", cid)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._add(trainer.current_epoch, "on_train_batch_end", int(batch))
+        self._add(
+            trainer.current_epoch, "on_train_batch_end", tuple(batch), seen=trainer.progress_bar_callback.clients.n
+        )
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
         self._add(trainer.current_epoch, "on_validation_epoch_start", seen=_snapshot(pl_module.federation.params))
@@ -194,10 +200,12 @@ def expected_events(shards: list[tuple[int, ...]], validated: set[int]) -> list[
     events: list[tuple[Any, ...]] = [(0, "on_fit_start"), (0, "on_attach"), (0, "on_train_start")]
     for t, shard in enumerate(shards):
         events += [(t, "sample_clients"), (t, "on_round_start"), (t, "on_train_epoch_start")]
+        events += [(t, "on_train_batch_start", tuple(shard))]
         for cid in shard:
-            events += [(t, "on_train_batch_start", cid), (t, "on_client_start", cid), (t, "local_update", cid)]
+            events += [(t, "on_client_start", cid), (t, "local_update", cid)]
             events += [(t, hook, cid, k) for k in range(K) for hook in LOCAL]
-            events += [(t, "on_client_end", cid), (t, "on_train_batch_end", cid)]
+            events += [(t, "on_client_end", cid), (t, "on_train_client_end", cid)]
+        events += [(t, "on_train_batch_end", tuple(shard))]
         events += [(t, "on_server_step"), (t, "on_round_end")]
         events += [(t, hook) for hook in VALIDATION] if t + 1 in validated else []
         events += [(t, "on_train_epoch_end"), (t, "on_save_checkpoint")]
@@ -214,8 +222,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Recorder, pl.Trainer,
 # ---------------------------------------------------------------------- the tests
 def test_hook_order_of_a_round(run: tuple[Recorder, pl.Trainer, DictConfig]) -> None:
     """Every hook of the 3 rounds, in the module docstring's order, exactly: sampling and ``on_round_start`` before
-    ``on_train_epoch_start``; each client's hooks inside its own ``on_train_batch_start``/``end`` pair with the local
-    hooks K times in order; the server step after the last slot and before validation; ``on_train_epoch_end`` after
+    ``on_train_epoch_start``; one ``on_train_batch_start``/``end`` pair around the round's clients (the batch is the
+    shard), each client's hooks with the local hooks K times in order, then its ``on_train_client_end``; the server
+    step after the batch and before validation; ``on_train_epoch_end`` after
     validation; the round's checkpoint last."""
     rec, _, _ = run
     shards = _shards(rec)
@@ -258,23 +267,25 @@ def test_checkpoint_at_each_round_end(run: tuple[Recorder, pl.Trainer, DictConfi
 
 
 def test_progress_bar_total_is_the_rounds_clients(run: tuple[Recorder, pl.Trainer, DictConfig]) -> None:
-    """The loop sets ``fit_loop.max_batches = rnd.slots`` before ``on_train_epoch_start`` (``RoundLoader`` has no
-    length), so ``trainer.num_training_batches`` and the client bar's total are this rank's clients of the round:
-    3, 2, 3, and the bar is reset to it at every round."""
+    """The loop sets ``fit_loop.max_batches = 1`` (the round's one batch) before ``on_train_epoch_start``
+    (``RoundLoader`` has no length); the client bar's total is this rank's clients of the round: 3, 2, 3, reset at
+    every round, and it has counted every client (``on_train_client_end``) when the batch ends."""
     rec, _, _ = run
     per_round = {e[0]: rec.seen[e] for e in rec.events if e[1] == "on_train_epoch_start"}
-    assert per_round == {t: len(c) for t, c in enumerate(COHORTS)}
+    assert per_round == {t: 1 for t in range(len(COHORTS))}
     totals = [(e[0], rec.seen[e]) for e in rec.events if e[1] == "on_train_batch_start"]
-    assert totals == [(t, len(c)) for t, c in enumerate(COHORTS) for _ in c]
+    assert totals == [(t, len(c)) for t, c in enumerate(COHORTS)]
+    counted = [(e[0], rec.seen[e]) for e in rec.events if e[1] == "on_train_batch_end"]
+    assert counted == [(t, len(c)) for t, c in enumerate(COHORTS)]
 
 
 def test_limit_train_batches_caps_the_slots(tmp_path: Path) -> None:
-    """``trainer.limit_train_batches=2`` (an int) trains at most 2 clients per round: the loop's ``max_batches``
-    and the bar's total are min(slots, 2); the round still ends, validates and checkpoints."""
+    """``trainer.limit_train_batches=2`` (an int) trains at most 2 clients per rank and round (the first 2 of the
+    shard): the bar's total is min(shard, 2); the round still ends, validates and checkpoints."""
     rec, trainer, _ = _fit(tmp_path, "algo.rounds=2", "algo.clients_per_round=3", "trainer.limit_train_batches=2")
     shards = [s[:2] for s in _shards(rec)]
     assert rec.events == expected_events(shards, validated={1, 2})
-    assert {rec.seen[e] for e in rec.events if e[1] in ("on_train_epoch_start", "on_train_batch_start")} == {2}
+    assert {rec.seen[e] for e in rec.events if e[1] == "on_train_batch_start"} == {2}
     assert trainer.global_step == 4
 
 

@@ -370,6 +370,14 @@ class Federation:
         _copy(self.float_buffers, self._global_floats)
         _copy(self.other_buffers, self.global_other)
 
+    def train_clients(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
+        """Trains ``cids`` (this rank's shard of the round) one after the other (:meth:`train_client`); ``after(cid)``
+        runs after each client (the progress bar's tick)."""
+        for cid in cids:
+            self.train_client(cid)
+            if after is not None:
+                after(cid)
+
     def train_client(self, cid: int) -> Tensor | None:
         """Local training of one client; adds its weighted model to the round's aggregate.
 

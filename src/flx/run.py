@@ -103,9 +103,10 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
             kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))
         except RuntimeError as err:  # e.g. `srun -n 2`: Lightning counts processes per node (--ntasks-per-node)
             raise ConfigError(f"SLURM: {one_line(err)}") from None
-    trainer_cfg = {k: v for k, v in cfg.trainer.items() if k != "process_group_backend"}
+    # limit_train_batches caps the clients per rank and round: the loop's, not Lightning's (a round is one batch)
+    trainer_cfg = {k: v for k, v in cfg.trainer.items() if k not in ("process_group_backend", "limit_train_batches")}
     trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
-    return loop.install(trainer)
+    return loop.install(trainer, client_limit=cfg.trainer.get("limit_train_batches"))
 
 
 def build_task(cfg: DictConfig, data: Any) -> Task:

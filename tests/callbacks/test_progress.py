@@ -38,7 +38,7 @@ def _trainer(epoch: int = 0, rounds: int = 6, clients: int = 1000) -> SimpleName
         max_epochs=rounds,
         max_steps=-1,
         global_step=0,
-        num_training_batches=clients,
+        train_dataloader=SimpleNamespace(clients=tuple(range(clients))),  # the round's one batch: this rank's shard
         callbacks=[],
         callback_metrics={},
         sanity_checking=False,
@@ -60,7 +60,7 @@ def test_client_bar_redraws_by_time_not_per_client(monkeypatch: pytest.MonkeyPat
     capsys.readouterr()
     for _ in range(1000):
         clock.now += 1e-3
-        bar.on_train_batch_end(trainer, module, None, 0, 0)
+        bar.on_train_client_end(trainer, module, 0)
     draws = capsys.readouterr().err.count("clients:")
     assert bar.clients.n == 1000 and bar.clients.total == 1000
     assert 1 <= draws <= 1 / 0.2 + 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
@@ -95,10 +94,10 @@ class RoundProgressBar(ProgressBar):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer)
         if self.clients is not None:
-            self.clients.reset(total=self.total_train_batches)
+            self.clients.reset(total=len(getattr(trainer.train_dataloader, "clients", ())))
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_train_client_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, cid: int) -> None:
+        """After each trained client (called by ``FederatedModule.training_step``: a round is one Lightning batch)."""
         if self.clients is not None:
             self.clients.update()  # redraws only when refresh_seconds have passed
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from flx.faults import Diverged
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
-from flx.loop import IDLE
+from flx.loop import client_limit
 from flx.metrics.client_summary import spread, summarize
 from flx.tasks import Classification, Task
 from flx.wandb_logging import ROUND, wandb_loggers
@@ -102,15 +102,31 @@ class FederatedModule(pl.LightningModule):
             step_context=trainer.precision_plugin.train_step_context,
         )
 
-    def training_step(self, client_id: int, batch_idx: int) -> Tensor | None:
-        # one client slot = one Lightning optimisation step, so trainer.global_step advances (ModelCheckpoint and
-        # step-based callbacks rely on it) and agrees across ranks (idle slots count too)
+    def on_train_start(self) -> None:
+        # Lightning callbacks that want a tick per trained client (the progress bar's client bar): the round is one
+        # Lightning batch, so on_train_batch_end comes once a round
+        hook = "on_train_client_end"
+        self._client_listeners = [cb for cb in self.trainer.callbacks if callable(getattr(cb, hook, None))]
+
+    def training_step(self, shard: tuple[int, ...], batch_idx: int) -> None:
+        """Trains this rank's clients of the round (``shard``, the round's one batch)."""
+        # each client slot counts as one Lightning optimisation step, so trainer.global_step advances per client
+        # (ModelCheckpoint and step-based callbacks rely on it) and agrees across ranks: every rank counts the busiest
+        # shard's length
         steps = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        steps.increment_ready()
-        steps.increment_completed()
-        if int(client_id) == IDLE:
-            return None
-        return self.federation.train_client(int(client_id))
+        for _ in range(client_limit(self.trainer.fit_loop.limit, self.federation.rnd.slots)):
+            steps.increment_ready()
+            steps.increment_completed()
+        listeners = getattr(self, "_client_listeners", ())
+        after = None
+        if listeners:
+            trainer = self.trainer
+
+            def after(cid: int) -> None:
+                for cb in listeners:
+                    cb.on_train_client_end(trainer, self, cid)
+
+        self.federation.train_clients(shard, after)
 
     def on_train_epoch_end(self) -> None:
         # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of the round's
