@@ -250,18 +250,18 @@ def test_validation_cadence(tmp_path: Path, overrides: list[str], rounds: int, v
 
 def test_checkpoint_at_each_round_end(run: tuple[Recorder, pl.Trainer, DictConfig]) -> None:
     """``RoundCheckpoint`` writes ``round_{t+1:05d}.ckpt`` once per round, after validation and
-    ``on_train_epoch_end`` (see the order test), with ``trainer.global_step`` = client slots so far (3, 3+2, 3+2+3);
+    ``on_train_epoch_end`` (see the order test), with ``trainer.global_step`` = rounds done (a round is one step);
     the file of round r is on disk when round r+1's ``on_round_start`` runs; the file holds the state after r
     rounds."""
     rec, trainer, cfg = run
-    slots_so_far = [sum(len(c) for c in COHORTS[: r + 1]) for r in range(len(COHORTS))]
+    rounds_so_far = [r + 1 for r in range(len(COHORTS))]
     saves = [(e[0], rec.seen[e]) for e in rec.events if e[1] == "on_save_checkpoint"]
-    assert saves == list(enumerate(slots_so_far))
+    assert saves == list(enumerate(rounds_so_far))
     starts = [rec.seen[e] for e in rec.events if e[1] == "on_round_start"]
     assert [files for _, files, _, _ in starts] == [[f"round_{r:05d}.ckpt" for r in range(1, t + 1)] for t in range(3)]
-    assert [step for _, _, step, _ in starts] == [0, *slots_so_far[:-1]]
-    assert trainer.global_step == slots_so_far[-1]
-    for r, steps in enumerate(slots_so_far, start=1):
+    assert [step for _, _, step, _ in starts] == [0, *rounds_so_far[:-1]]
+    assert trainer.global_step == rounds_so_far[-1]
+    for r, steps in enumerate(rounds_so_far, start=1):
         ckpt = load(str(Path(cfg.checkpoint.dirpath) / f"round_{r:05d}.ckpt"))
         assert (ckpt["epoch"], ckpt["global_step"], ckpt["flx"]["round"]) == (r - 1, steps, r)
 
@@ -286,7 +286,7 @@ def test_limit_train_batches_caps_the_slots(tmp_path: Path) -> None:
     shards = [s[:2] for s in _shards(rec)]
     assert rec.events == expected_events(shards, validated={1, 2})
     assert {rec.seen[e] for e in rec.events if e[1] == "on_train_batch_start"} == {2}
-    assert trainer.global_step == 4
+    assert trainer.global_step == 2  # rounds
 
 
 def _equal(a: list[Tensor], b: list[Tensor]) -> bool:

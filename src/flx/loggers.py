@@ -3,6 +3,8 @@
 Lightning's ``CSVLogger`` removes an existing ``metrics.csv`` when its folder is reused, so a run resumed into
 its own output folder (``ckpt_path=auto`` after a crash or a SLURM requeue) would lose the rounds logged before
 the crash. :class:`CSVLogger` appends instead: the earlier rows are kept, and new columns widen the file.
+Values logged for one step in several calls before the file is written (a round's counters, sent straight to the
+loggers by ``FederatedModule.log_round``, then Lightning's row of its epoch-end metrics) share one row.
 A round that was logged, then replayed after resuming from an earlier checkpoint, appears twice, with the same
 values (a resumed run recomputes it exactly).
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import csv
 import os
+from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
@@ -27,6 +31,14 @@ class AppendingExperimentWriter(ExperimentWriter):
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = list(next(csv.reader(f), []))
 
+    @override
+    def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        last = self.metrics[-1] if self.metrics else None
+        super().log_metrics(metrics_dict, step)
+        row = self.metrics[-1]
+        if last is not None and last["step"] == row["step"] and all(last[k] == v for k, v in row.items() if k in last):
+            last.update(self.metrics.pop())  # one row per step while it is not written yet
+
 
 class CSVLogger(_LightningCSVLogger):
     """``lightning.pytorch.loggers.CSVLogger`` that appends to an existing ``metrics.csv`` (see the module doc)."""
@@ -39,3 +51,12 @@ class CSVLogger(_LightningCSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
         return self._experiment
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        # no flush every n steps: Lightning saves after each of its own calls, and a row still being merged (one step
+        # logged in several calls) must not be written half
+        if self._prefix:
+            metrics = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}": v for k, v in metrics.items()}
+        self.experiment.log_metrics(metrics, step)

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from flx.faults import Diverged
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
-from flx.loop import client_limit
 from flx.metrics.client_summary import spread, summarize
 from flx.tasks import Classification, Task
 from flx.wandb_logging import ROUND, wandb_loggers
@@ -110,13 +109,11 @@ class FederatedModule(pl.LightningModule):
 
     def training_step(self, shard: tuple[int, ...], batch_idx: int) -> None:
         """Trains this rank's clients of the round (``shard``, the round's one batch)."""
-        # each client slot counts as one Lightning optimisation step, so trainer.global_step advances per client
-        # (ModelCheckpoint and step-based callbacks rely on it) and agrees across ranks: every rank counts the busiest
-        # shard's length
+        # a round counts as one Lightning optimisation step: trainer.global_step is the rounds done (loggers' step,
+        # ModelCheckpoint's every_n_train_steps), the same on every rank
         steps = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        for _ in range(client_limit(self.trainer.fit_loop.limit, self.federation.rnd.slots)):
-            steps.increment_ready()
-            steps.increment_completed()
+        steps.increment_ready()
+        steps.increment_completed()
         listeners = getattr(self, "_client_listeners", ())
         after = None
         if listeners:
@@ -129,9 +126,10 @@ class FederatedModule(pl.LightningModule):
         self.federation.train_clients(shard, after)
 
     def on_train_epoch_end(self) -> None:
-        # one log call per round, not per client (each self.log costs ~0.4 ms): the mean local loss of the round's
-        # aggregated clients, summed over ranks in the round's one all-reduce (Federation.train_loss), so it is the
-        # same on every rank and costs no collective of its own
+        # the mean local loss of the round's aggregated clients, summed over ranks in the round's one all-reduce
+        # (Federation.train_loss), so it is the same on every rank and costs no collective of its own. Through
+        # self.log (the bar, the curves and monitors read trainer.callback_metrics), which costs ~0.2 ms a key, so
+        # the round's counters go to the loggers directly (log_round)
         loss = self.federation.train_loss
         if loss is not None:
             self.log("train/loss", loss, on_epoch=True, batch_size=1)
@@ -148,7 +146,19 @@ class FederatedModule(pl.LightningModule):
         counts |= {"fl/dropped_clients": float(len(faults.dropped)), "fl/skipped_clients": float(len(faults.skipped))}
         if self.federation.cfg.local_epochs is None:  # local iterations so far, per client (AFL: one per round)
             counts["fl/local_steps"] = float((rnd.round + 1) * self.federation.cfg.local_steps)
-        self.log_dict(counts)  # identical on every rank: no sync (a collective per key)
+        # with nothing else logged (no loss: every client left out), Lightning writes no row for the round: flush it
+        self.log_round(counts, flush=loss is None and clock is None)
+
+    def log_round(self, values: dict[str, float], flush: bool = False) -> None:
+        """Sends round-level scalars that only loggers read (not ``trainer.callback_metrics``) to every logger, in
+        the row of the round's other training metrics: at the step of the round's last batch, ``trainer.global_step - 1``
+        (the 0-based round: a round is one step), plus ``epoch``, as Lightning logs epoch-end metrics. Identical on every rank (rank zero writes). One logger call, not a ``self.log`` per key.
+        ``flush``: write the row now (Lightning writes it after its own epoch-end row otherwise).
+        """
+        for logger in self.loggers:
+            logger.log_metrics({**values, "epoch": self.current_epoch}, step=self.trainer.global_step - 1)
+            if flush:
+                logger.save()
 
     # ------------------------------------------------------------------ evaluation of the global model
     def _eval_step(self, stage: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
