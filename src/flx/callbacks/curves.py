@@ -121,13 +121,16 @@ class RoundCurves(pl.Callback):
         self._plot(os.path.join(folder, "curves.png"))
 
     def _plot(self, path: str) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # matplotlib's object API with the Agg canvas, not pyplot: no global figure state or backend switch, and no
+        # pyplot import (~0.2 s at the end of every run)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         clock = dict(self.history.get(CLOCK, []))  # round -> simulated seconds
-        fig, axes = plt.subplots(1, 3 if clock else 2, figsize=(15 if clock else 10, 3.6))
+        fig = Figure(figsize=(15 if clock else 10, 3.6))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, 3 if clock else 2)
         ax_loss, ax_acc = axes[:2]
         for key, points in self.history.items():
             if key.startswith(("sim/", "whale/")):
@@ -140,6 +143,8 @@ class RoundCurves(pl.Callback):
         panels = [(ax_loss, "loss", "round"), (ax_acc, "global model: accuracy / AUC", "round")]
         panels += [(axes[2], "against simulated wall-clock", "simulated time (s)")] if clock else []
         for ax, title, xlabel in panels:
+            if xlabel == "round":
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel(xlabel)
             ax.set_title(title)
             ax.grid(alpha=0.3)
@@ -147,4 +152,3 @@ class RoundCurves(pl.Callback):
                 ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)

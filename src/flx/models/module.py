@@ -151,8 +151,9 @@ class FederatedModule(pl.LightningModule):
 
     def log_round(self, values: dict[str, float], flush: bool = False) -> None:
         """Sends round-level scalars that only loggers read (not ``trainer.callback_metrics``) to every logger, in
-        the row of the round's other training metrics: at the step of the round's last batch, ``trainer.global_step - 1``
-        (the 0-based round: a round is one step), plus ``epoch``, as Lightning logs epoch-end metrics. Identical on every rank (rank zero writes). One logger call, not a ``self.log`` per key.
+        the row of the round's other training metrics: at the step of the round's last batch,
+        ``trainer.global_step - 1`` (the 0-based round: a round is one step), plus ``epoch``, as Lightning logs
+        epoch-end metrics. Identical on every rank (rank zero writes). One logger call, not a ``self.log`` per key.
         ``flush``: write the row now (Lightning writes it after its own epoch-end row otherwise).
         """
         for logger in self.loggers:
