@@ -11,6 +11,7 @@ from torch import nn
 
 from flx.federation import derive_seed, local_batches, shard_greedy, uniform_cohort
 from flx.hooks import FederatedCallback
+from flx.sampling import derive_seeds
 
 
 def test_one_client_fedavg_equals_centralised_sgd() -> None:
@@ -416,3 +417,18 @@ def test_cohort_is_the_last_rounds_distinct_sample() -> None:
     fed = make_fed(linear(), toy_data([4, 5, 6, 7]), [Repeats()], clients_per_round=3, local_steps=1)
     fed.begin_round(0)
     assert fed.cohort == (1, 3)
+
+
+def test_derive_seeds_equals_derive_seed_bit_for_bit() -> None:
+    """The vectorised seeds of a round's clients are numpy's SeedSequence seeds exactly: run seeds of one and two
+    32-bit words, round 0 and large, client 0 and ids up to 2**32 - 1, with and without a copy word (5 words: more
+    than SeedSequence's pool of 4, its second mixing loop)."""
+    rng = np.random.default_rng(0)
+    cids = np.concatenate([[0, 1, 2**32 - 1], rng.integers(0, 2**32, 40)])
+    for seed in (0, 7, 2**40 + 5, 2**63 - 1):
+        for rnd in (0, 3, 10**6):
+            assert derive_seeds(seed, rnd, cids).tolist() == [derive_seed(seed, rnd, int(c)) for c in cids]
+            assert derive_seeds(seed, rnd, cids, 2).tolist() == [derive_seed(seed, rnd, int(c), 2) for c in cids]
+    assert derive_seeds(1, 2, np.array([], dtype=np.int64)).tolist() == []
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        derive_seeds(0, 0, np.array([2**32]))

@@ -31,7 +31,7 @@ from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
 from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
 from flx.faults import RoundFaults, all_finite, check_global_model, judge
 from flx.hooks import HOOKS, FederatedCallback, overrides
-from flx.sampling import SAMPLE_TAG, derive_seed, local_batches, shard_greedy, uniform_cohort
+from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, local_batches, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer
 from flx.state import ClientStateStore, ServerState
 from flx.systems.clock import SimClock
@@ -223,6 +223,8 @@ class Federation:
         self._assign_copies(shards)
         slots = max(len(s) for s in shards)
         self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
+        mine = np.unique(np.asarray(self.rnd.shard, dtype=np.int64))  # copy 0's seeds, for all of them at once
+        self._seeds = dict(zip(mine.tolist(), derive_seeds(self.cfg.seed, round_idx, mine).tolist()))
         with torch.no_grad():
             _copy(self.global_params, [p.detach() for p in self.params])
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
@@ -349,7 +351,8 @@ class Federation:
         draws = 1 if repeat else self._multiplicity[cid]
         weight = self.base_weight(cid, draws)
         # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
-        seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ()))
+        seed = self._seeds.get(cid) if not copy else None  # drawn for the whole shard in begin_round
+        seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ())) if seed is None else seed
         # dropout & co. depend only on (seed, round, client). Not torch.manual_seed: on CUDA builds it records a
         # stack trace per call for lazy CUDA seeding (~0.5 ms under Lightning's call stack)
         torch.default_generator.manual_seed(seed)
