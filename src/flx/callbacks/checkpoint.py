@@ -31,9 +31,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
-from flx.checkpoint_io import LAST, atomic_link
+from flx.checkpoint_io import LAST, AtomicCheckpointIO, atomic_link
 from flx.config import check_checkpoint
-from flx.errors import ConfigError
+from flx.errors import ConfigError, bad_value
 from flx.launch import slurm_job_id
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,29 @@ BEST = "best.ckpt"
 def round_file(rounds: int) -> str:
     """The file name of the checkpoint holding the state after ``rounds`` rounds."""
     return f"round_{rounds:05d}.ckpt"
+
+
+def _after_write(trainer: pl.Trainer, fn: Any, *args: Any) -> None:
+    """``fn(*args)`` once the checkpoint files saved so far are on disk: queued behind them by flx's background writer
+    (:class:`flx.checkpoint_io.AtomicCheckpointIO`), or now with another checkpoint IO."""
+    io = trainer.strategy.checkpoint_io
+    if isinstance(io, AtomicCheckpointIO):
+        io.submit(fn, *args)
+    else:
+        fn(*args)
+
+
+def _wait_for_writes(trainer: pl.Trainer) -> None:
+    io = trainer.strategy.checkpoint_io
+    if isinstance(io, AtomicCheckpointIO):
+        io.wait()
+
+
+def _link_and_remove(path: str, last: str, old: list[str]) -> None:
+    atomic_link(path, last)
+    for file in old:
+        if os.path.exists(file):
+            os.remove(file)
 
 
 class RoundCheckpoint(Checkpoint):
@@ -57,6 +80,8 @@ class RoundCheckpoint(Checkpoint):
         mode: ``max`` or ``min``: which values of ``monitor`` are better.
         requeue: ``auto`` (when running in a SLURM job), ``true`` or ``false``.
         requeue_signal: the signal that asks for a requeue.
+        background: write the files in a background thread while training goes on (serialised at the round
+            boundary; :mod:`flx.checkpoint_io`), or in the training thread.
     """
 
     def __init__(
@@ -69,12 +94,16 @@ class RoundCheckpoint(Checkpoint):
         mode: str = "max",
         requeue: str | bool = "auto",
         requeue_signal: str = "SIGUSR1",
+        background: bool = True,
     ) -> None:
         check_checkpoint(every_rounds, every_seconds, keep_last, mode, requeue, requeue_signal)
         self.dirpath, self.every_rounds, self.every_seconds = str(dirpath), every_rounds, every_seconds
         self.keep_last, self.monitor, self.mode = keep_last, monitor, mode
         self.requeue = slurm_job_id() is not None if str(requeue).lower() == "auto" else str(requeue).lower() == "true"
         self.requeue_signal = getattr(signal, str(requeue_signal))
+        if not isinstance(background, bool):
+            raise bad_value("checkpoint.background", background, "allowed: true, false")
+        self.background = background
         self.best_score: float | None = None
         self.best_model_path = self.last_model_path = ""
         self.saved: list[str] = []
@@ -86,6 +115,8 @@ class RoundCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
+            trainer.strategy.checkpoint_io.background = self.background
         if stage == "fit" and self.requeue:
             signal.signal(self.requeue_signal, self._on_signal)
 
@@ -110,7 +141,7 @@ class RoundCheckpoint(Checkpoint):
         if due or requeue or self._time_due(trainer):
             self._save_round(trainer, rounds)
             if best and trainer.is_global_zero:
-                atomic_link(self.last_model_path, self.best_model_path)
+                _after_write(trainer, atomic_link, self.last_model_path, self.best_model_path)
         elif best:
             trainer.save_checkpoint(self.best_model_path, weights_only=False)
         if requeue:
@@ -135,19 +166,18 @@ class RoundCheckpoint(Checkpoint):
         # state (loops, parts, server); Lightning logs a line at every save when it is left unset
         trainer.save_checkpoint(path, weights_only=False)
         self._last_time = time.monotonic()
-        if trainer.is_global_zero:
-            atomic_link(path, os.path.join(self.dirpath, LAST))
-            self._prune()
+        if trainer.is_global_zero:  # after the file is on disk (the writer runs jobs in order)
+            _after_write(trainer, _link_and_remove, path, os.path.join(self.dirpath, LAST), self._prune())
 
-    def _prune(self) -> None:
-        """Removes round files beyond ``keep_last``; only this run's own files in ``dirpath``, never others."""
+    def _prune(self) -> list[str]:
+        """Drops round files beyond ``keep_last`` from :attr:`saved` and returns them, for removal once the newest
+        file is written; only this run's own files in ``dirpath``, never others."""
         if self.keep_last is None:
-            return
+            return []
         mine = [p for p in self.saved if os.path.dirname(p) == self.dirpath]
-        for old in mine[: max(0, len(mine) - self.keep_last)]:
-            if os.path.exists(old):
-                os.remove(old)
-            self.saved.remove(old)
+        old = mine[: max(0, len(mine) - self.keep_last)]
+        self.saved = [p for p in self.saved if p not in old]
+        return old
 
     def _improved(self, trainer: pl.Trainer) -> bool:
         """Whether this round's ``monitor`` value is the best so far; if so it is recorded (before the save, so the
@@ -166,6 +196,7 @@ class RoundCheckpoint(Checkpoint):
 
     def _requeue(self, trainer: pl.Trainer) -> None:
         self.requeued, trainer.should_stop = True, True
+        _wait_for_writes(trainer)  # SLURM stops the job soon after the requeue: the checkpoint must be on disk first
         job = slurm_job_id()
         if trainer.is_global_zero:
             # printed before `scontrol requeue`: SLURM kills the job step soon after it, and a message printed after
