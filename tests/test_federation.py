@@ -432,3 +432,15 @@ def test_derive_seeds_equals_derive_seed_bit_for_bit() -> None:
     assert derive_seeds(1, 2, np.array([], dtype=np.int64)).tolist() == []
     with pytest.raises(ValueError, match="2\\*\\*32"):
         derive_seeds(0, 0, np.array([2**32]))
+
+
+@pytest.mark.parametrize(("steps", "epochs", "expected"), [(3, None, ((0, 2), (1, 3))), (None, 1, ((0,), (1, 2, 3)))])
+def test_shards_balance_the_expected_cost(steps: int | None, epochs: int | None, expected: tuple) -> None:
+    """Clients of 60, 8, 8 and 8 rows, B=4, 2 ranks. With K=3 local steps every client processes 3 * 4 rows, so the
+    shards hold two clients each (by sample count the 60-row client would sit alone); with one local epoch the costs
+    are 60, 8, 8, 8 rows and the big client is alone. ``expected_cost`` is ``K_i * min(B, n_i)``."""
+    data = toy_data([60, 8, 8, 8])
+    kw = dict(clients_per_round=4, local_steps=steps or 1, local_epochs=epochs, batch_size=4, seed=0)
+    ranks = [make_fed(linear(), data, rank=r, world_size=2, **kw) for r in (0, 1)]
+    assert [ranks[0].expected_cost(c) for c in range(4)] == ([12] * 4 if steps else [60, 8, 8, 8])
+    assert tuple(fed.begin_round(0).shard for fed in ranks) == expected

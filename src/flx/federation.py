@@ -219,7 +219,7 @@ class Federation:
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
         # padding slots only and add nothing to the aggregate
         runs = [c for c, k in zip(cohort, mult) for _ in range(k if self.cfg.duplicates == "repeat" else 1)]
-        shards = shard_greedy(runs, [self.num_samples(c) for c in runs], self.world_size)
+        shards = shard_greedy(runs, [self.expected_cost(c) for c in runs], self.world_size)
         self._assign_copies(shards)
         slots = max(len(s) for s in shards)
         self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
@@ -338,6 +338,12 @@ class Federation:
         if self.cfg.local_epochs is None:
             return self.cfg.local_steps
         return self.cfg.local_epochs * -(-self.num_samples(cid) // self.cfg.batch_size)
+
+    def expected_cost(self, cid: int) -> int:
+        """The rows client ``cid``'s local training processes, ``K_i * min(B, n_i)``: what the shards balance (with
+        ``local_steps`` every client costs alike, whatever its size; with ``local_epochs`` the cost grows with
+        ``n_i``)."""
+        return self.client_steps(cid) * min(self.cfg.batch_size, self.num_samples(cid))
 
     def base_weight(self, cid: int, multiplicity: int) -> float:
         """Aggregation weight before parts adjust it: ``n_i`` (or 1) times the times ``i`` was drawn."""

@@ -89,7 +89,7 @@ def uniform_cohort(num_clients: int, m: int, rng: np.random.Generator) -> list[i
 
 
 def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Longest-processing-time greedy split of clients over ranks by sample count (deterministic).
+    """Longest-processing-time greedy split of clients over ranks by their costs ``sizes`` (deterministic).
 
     An id listed ``k`` times (copies of one client) is placed ``k`` times; equal loads spread the copies over ranks.
     """
