@@ -11,7 +11,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from flx.config import CONFIG_DIR, check_output_dir, one_line, precheck
+from flx.config import CONFIG_DIR, check_output_dir, one_line, precheck, run_dir
 from flx.errors import ConfigError
 
 # errors of the file system under the run folder: reported as bad input (exit 2), files already written are kept
@@ -75,12 +75,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from flx.launch import failures, join_children, prelaunch
+
     try:
-        precheck(sys.argv[1:])
+        cfg = precheck(sys.argv[1:])
     except ConfigError as err:
         _fail(err)
+    if cfg is not None:  # trainer=ddp on one machine: start the other ranks now, their start-up alongside this one's
+        prelaunch(cfg.trainer, lambda: run_dir(sys.argv[1:]))
     main()
-    from flx.launch import failures
+    status = join_children(0)  # the ranks prelaunch started: a failure of theirs is the run's
+    if status:
+        sys.exit(status)
 
     if failures():  # a sweep: every job ran; say which failed
         print(

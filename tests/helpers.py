@@ -149,3 +149,29 @@ class SleepPerRound(FederatedCallback):
         import time
 
         time.sleep(self.seconds)
+
+
+def process_start_time(pid: int | str = "self") -> float:
+    """When process ``pid`` was created (epoch seconds, 10 ms resolution), from /proc."""
+    import os
+
+    start_ticks = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class StartTimes(FederatedCallback):
+    """Writes ``rank<LOCAL_RANK>.json`` to ``out`` at fit start: the process's creation time and the fit start."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        import json
+        import os
+        import time
+
+        rank = os.environ.get("LOCAL_RANK", "0")
+        record = {"created": process_start_time(), "fit_start": time.time(), "global_rank": trainer.global_rank}
+        with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)

@@ -3,6 +3,7 @@ sweeps with DDP."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf
 from runs import ENV, ROOT, flx_lines
 
 from flx.config import precheck
-from flx.launch import process_rank, run_name, slurm_restarts
+from flx.launch import prelaunch, process_rank, run_name, slurm_restarts
 from flx.run import resume_path, train
 
 TINY = ["model=logreg", "partition.num_clients=4", "algo.clients_per_round=2", "algo.local_steps=2", "algo.rounds=1"]
@@ -112,3 +113,43 @@ def test_a_slurm_sweep_without_sbatch_gives_one_line(tmp_path: Path) -> None:
         "flx: error: hydra/launcher='slurm': needs SLURM's sbatch on the PATH (run the sweep on a login node)"
     ], proc.stderr[-3000:]
     assert not list(tmp_path.iterdir())
+
+
+def test_ddp_ranks_start_together(tmp_path: Path) -> None:
+    """``trainer=ddp trainer.devices=2`` on one machine: the second rank is started by ``flx.launch.prelaunch`` right
+    after the config check, not by Lightning at ``trainer.fit`` once this process has imported torch and Lightning
+    and loaded the data, so the two start-ups overlap: rank 1 exists within the first half of rank 0's start-up. Both
+    ranks write into one run folder and the run ends with status 0."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "trainer=ddp", *TINY, *QUIET, f"hydra.run.dir={out}"]
+    cmd += ["+callbacks.start_times._target_=helpers.StartTimes", f"+callbacks.start_times.out={marks}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((marks / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (r0["global_rank"], r1["global_rank"]) == (0, 1)
+    assert r1["created"] - r0["created"] < 0.5 * (r0["fit_start"] - r0["created"])
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["checkpoints"]
+    assert (out / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*/logs"))
+
+
+@pytest.mark.parametrize(
+    ("trainer", "env"),
+    [
+        ({"strategy": "ddp", "devices": 1}, {}),
+        ({"strategy": "auto", "devices": 2}, {}),
+        ({"strategy": "ddp", "devices": 2, "num_nodes": 2}, {}),
+        ({"strategy": "ddp", "devices": 2}, {"SLURM_JOB_ID": "7"}),
+        ({"strategy": "ddp", "devices": 2}, {"LOCAL_RANK": "1"}),
+        ({"strategy": "ddp", "devices": "auto"}, {}),
+    ],
+)
+def test_prelaunch_leaves_other_launches_alone(clean_env: pytest.MonkeyPatch, trainer: dict, env: dict) -> None:
+    """One device, no DDP, several nodes, a SLURM job, an already launched rank, a device count Lightning resolves
+    itself: prelaunch starts nothing and changes neither the environment nor the command line."""
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    before, argv = dict(os.environ), list(sys.argv)
+    prelaunch(trainer, lambda: pytest.fail("no run folder is needed"))
+    assert dict(os.environ) == before and sys.argv == argv

@@ -81,6 +81,15 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
     return cfg
 
 
+def run_dir(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> str:
+    """The run folder (``hydra.run.dir``) a single run of ``overrides`` gets, resolved now (its time stamp)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
+    return str(cfg.hydra.run.dir)
+
+
 def _check_launcher(overrides: Sequence[str]) -> None:
     """``hydra/launcher=slurm`` submits with SLURM's ``sbatch``: without it submitit would fail with a traceback."""
     import shutil

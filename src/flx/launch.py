@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 # what Lightning's launcher exports for the processes it starts (lightning.fabric's subprocess launcher)
 DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -144,3 +145,68 @@ def as_single_run() -> Iterator[None]:
                 os.environ[key] = value
         with read_write(hc), open_dict(hc):
             hc.run.dir = run_dir
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In a child process (``preexec_fn``): SIGKILL when the launching process dies (Linux), so a killed run leaves
+    no rank waiting in a collective for ever."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+_children: list = []
+
+
+def prelaunch(trainer: Mapping[str, Any], run_dir: Callable[[], str]) -> None:
+    """Starts the other ranks of a one-machine ``trainer=ddp`` run now, before this process imports torch and
+    Lightning and loads the data, so that every rank's start-up runs at once (Lightning's own launcher starts them at
+    ``trainer.fit``, after this process's start-up: seconds later). Each child re-runs this command with
+    ``LOCAL_RANK=i`` and the run folder ``run_dir()`` (every rank writes into one folder), as Lightning's launcher
+    would; this process becomes rank 0
+    (``LOCAL_RANK=0``), so Lightning finds the processes started and launches none.
+
+    Nothing happens for one device, several nodes, a SLURM job (SLURM starts the tasks), a process that was itself
+    launched (``LOCAL_RANK`` / ``RANK`` set) or a sweep. The children die with this process, and this process exits
+    with a child's failure status when it succeeded itself (:func:`join_children`).
+    """
+    devices, strategy = trainer.get("devices"), trainer.get("strategy")
+    if strategy not in ("ddp", "flx_ddp") or not isinstance(devices, int) or devices < 2:
+        return
+    if int(trainer.get("num_nodes") or 1) != 1 or slurm_job_id() is not None:
+        return
+    if any(os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
+        return
+    import subprocess
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NODE_RANK="0", WORLD_SIZE=str(devices))
+    folder = run_dir()
+    args = [a for a in sys.argv[1:] if not a.startswith("hydra.run.dir=")]
+    command = [sys.executable, os.path.abspath(sys.argv[0]), *args, f"hydra.run.dir={folder}"]
+    for rank in range(1, devices):
+        env = {**os.environ, "LOCAL_RANK": str(rank)}
+        _children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
+    os.environ["LOCAL_RANK"] = "0"
+    sys.argv = [sys.argv[0], *args, f"hydra.run.dir={folder}"]
+
+
+def join_children(status: int) -> int:
+    """Waits for the ranks :func:`prelaunch` started; the exit status of the run: this process's, else the first
+    failing child's."""
+    for child in _children:
+        code = child.wait()
+        status = status or code
+    _children.clear()
+    return status
