@@ -1,20 +1,25 @@
-"""``make bench``: wall-clock of flx's ``trainer.fit`` against a hand-written plain-PyTorch FedAvg loop.
+"""``make bench``: flx against the same federated work written by hand in plain PyTorch, in paired runs.
 
-Both sides do the same FedAvg work (same data tensors, model class and initial weights, cohort size, local
-steps, batch size, n_i-weighted mean, SGD without momentum, torch thread settings); see ``harness.py`` and
-``plain.py``. Per workload:
+Sections (``--sections``, default all):
 
-1. check (untimed, also the warm-up): flx and the plain loop drawing flx's cohorts and minibatches must do
-   the same number of local steps and end with the same global model (max abs difference printed);
-2. warm-up of the plain loop with its own randomness;
-3. ``--repeats`` alternating measurements (flx then plain, then plain then flx, ...), a fresh flx build each
-   time (building is not timed: only ``trainer.fit``); the step counts of both sides must agree.
+* ``rounds``: wall-clock of flx's ``trainer.fit`` against a hand-written plain-PyTorch FedAvg loop, in one process.
+  Both sides do the same FedAvg work (same data tensors, model class and initial weights, cohort size, local steps,
+  batch size, n_i-weighted mean, SGD without momentum, torch thread settings; ``harness.py``, ``plain.py``). Per
+  workload: a check (untimed, also the warm-up: flx and the plain loop drawing flx's cohorts and minibatches must do
+  the same number of local steps and end with the same global model), a warm-up of the plain loop, then
+  ``--repeats`` alternating measurements, a fresh flx build each time (only ``trainer.fit`` is timed).
+* ``process``: the whole process, ``python train.py`` against ``python scripts/bench/plain_process.py``, each split
+  into start-up (imports, data, model, Trainer), rounds and what follows (``process.py``).
+* ``scaleout``: workload a on 1 process x 1 thread, 1 process x 2 threads and 2 processes (DDP) x 1 thread.
+* ``vectorized``, ``memory``, ``eval``: ``algo.vectorize`` against the plain loop, memory per client, the cost of
+  evaluation (``vectorized.py``, ``memory.py``, ``evalcost.py``).
 
-Prints a table of medians and the flx / plain ratio against its target and writes it as JSON to
-``bench_results/bench.json``. ``--breakdown`` adds a low-overhead split of the flx time (Lightning loop vs
-flx's per-client work), ``--profile`` a cProfile listing of one flx fit.
+flx runs with the defaults a user gets (``--settings defaults``: console, CSV logger, round checkpoints, the default
+callbacks), validation off on both sides (the plain loop evaluates nothing). Prints the ratios against their targets
+and writes everything as JSON to ``bench_results/bench.json``. ``--breakdown`` adds a split of the flx time,
+``--profile`` a cProfile listing of one flx fit.
 
-Usage: ``make bench ARGS="--workload b --quick"`` or ``python scripts/bench/run.py --workload all``.
+Usage: ``make bench``, ``make bench ARGS="--workload b --quick --sections rounds,process"``.
 """
 
 from __future__ import annotations
@@ -32,10 +37,18 @@ from typing import Any
 
 import harness
 import lightning
+import process
 import torch
 from workloads import WORKLOADS, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
+# the optional sections: (script, function returning its report); each prints its own table
+OPTIONAL = {
+    "vectorized": ("vectorized", "vectorized_report"),
+    "memory": ("memory", "memory_report"),
+    "eval": ("evalcost", "eval_report"),
+}
+SECTIONS = ("rounds", "process", "scaleout", *OPTIONAL)
 DIFF_TOLERANCE = 1e-4  # flx vs plain on the same cohorts and batches: identical maths, fp32 summation order
 
 
@@ -71,7 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator", default="cpu", help="trainer.accelerator; the plain loop uses the same device")
     p.add_argument("--breakdown", action="store_true", help="split the flx time: Lightning loop vs flx client work")
     p.add_argument("--profile", action="store_true", help="cProfile one flx fit per workload (top functions)")
-    p.add_argument("--whatif", default="", help="comma-separated runtime patches of suggested flx fixes: seed,log,xfer")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated parts to run (default all): {', '.join(SECTIONS)}",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "bench.json")
     p.add_argument(
         "--settings",
@@ -169,31 +186,98 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "quick": args.quick,
-        "whatif": args.whatif,
+        "sections": args.sections,
+        "load_average": os.getloadavg(),
         "settings": args.settings,
     }
 
 
+def optional(module: str, fn: str, quick: bool) -> dict[str, Any] | None:
+    """A section that lives in its own script (``memory.py``, ...): its report, or None when the script is absent."""
+    try:
+        mod = __import__(module)
+    except ModuleNotFoundError as err:
+        if err.name != module:
+            raise
+        print(f"  ({module}.py is not there: section skipped)")
+        return None
+    return getattr(mod, fn)(quick=quick)
+
+
+def process_table(rows: dict[str, dict[str, Any]]) -> str:
+    head = "workload  flx total  start-up  rounds  after | plain total  start-up  rounds | total ratio  paired  rounds"
+    lines = [head, "-" * len(head)]
+    for key, r in rows.items():
+        f, p = r["flx"], r["plain"]
+        lines.append(
+            f"{key:9s}{f['total']:10.2f}{f['startup']:10.2f}{f['rounds']:8.2f}{f['after']:7.2f} |"
+            f"{p['total']:12.2f}{p['startup']:10.2f}{p['rounds']:8.2f} |{r['ratio_total']:12.2f}"
+            f"{r['paired_total']:8.2f}{r['ratio_rounds']:8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def scale_table(r: dict[str, Any]) -> str:
+    lines = [f"{'':24s}{'rounds s':>10s}{'total s':>10s}{'start-up s':>12s}"]
+    for name, m in r["median"].items():
+        lines.append(f"{name:24s}{m['rounds']:10.2f}{m['total']:10.2f}{m['startup']:12.2f}")
+    lines.append(
+        f"rounds: 2 processes x 1 thread are {r['speedup_rounds_2proc_vs_1x1']:.2f}x faster than 1 x 1 (target >= 1.7),"
+        f" 1 x 2 threads {r['speedup_rounds_1x2_vs_1x1']:.2f}x; whole process: 2 x 1 / 1 x 2 ="
+        f" {r['total_2proc_over_1x2']:.2f} (target <= 1.0)"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"bench: --sections: unknown {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}")
     harness.quiet()
     harness.settings = args.settings
-    print(f"flx settings: {args.settings} ({' '.join(harness.SETTINGS[args.settings])})")
-    if args.whatif:
-        import whatif
-
-        whatif.apply(args.whatif.split(","))
-        print(f"whatif: flx patched at runtime with {args.whatif} (see scripts/bench/whatif.py)")
+    print(f"flx settings: {args.settings} ({' '.join(harness.SETTINGS[args.settings])}); load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     keys = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    results = [bench(WORKLOADS[k], args) for k in keys]
+    payload: dict[str, Any] = {"environment": environment(args)}
+    report: list[str] = []
+    if "rounds" in sections:
+        results = [bench(WORKLOADS[k], args) for k in keys]
+        payload["results"] = [asdict(r) for r in results]
+        report += ["per round (trainer.fit vs the plain loop, in one process):", table(results),
+                   "ratio = median(flx) / median(plain); paired = median of the per-run flx/plain ratios"]  # fmt: skip
+    if "process" in sections:
+        print("whole process: python train.py vs python scripts/bench/plain_process.py", flush=True)
+        rows = {}
+        for k in keys:
+            w = WORKLOADS[k]
+            rows[k] = process.whole_process(w, args.rounds or (w.quick_rounds if args.quick else w.rounds),
+                                            args.repeats or (1 if args.quick else w.repeats))  # fmt: skip
+        payload["process"] = rows
+        report += ["", "whole process (seconds, medians; start-up: process start to the first round):",
+                   process_table(rows)]  # fmt: skip
+    if "scaleout" in sections:
+        w = WORKLOADS["a"]
+        print(f"scale-out on workload a ({w.title})", flush=True)
+        r = process.scale_out(w, args.rounds or (w.quick_rounds if args.quick else w.rounds),
+                              args.repeats or (1 if args.quick else 3))  # fmt: skip
+        payload["scaleout"] = r
+        report += ["", f"scale-out, workload a (medians of {len(r['runs'][next(iter(r['runs']))])} runs):",
+                   scale_table(r)]  # fmt: skip
+    for name, (module, fn) in OPTIONAL.items():
+        if name in sections:
+            print(f"{name}:", flush=True)
+            r = optional(module, fn, args.quick)
+            if r is not None:
+                payload[name] = r
+                report += ["", f"{name}: see above ({module}.py)"]
     print()
-    print(table(results))
-    print("ratio = median(flx) / median(plain); paired = median of the per-run flx/plain ratios (less drift-prone)")
+    print("\n".join(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"environment": environment(args), "results": [asdict(r) for r in results]}
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"\nwritten {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     return 0
 

@@ -72,7 +72,7 @@ class RoundContext:
     shard: tuple[int, ...]  # the ids this rank trains (an id repeats when duplicates=repeat gives it copies here)
     rank: int
     world_size: int
-    slots: int  # clients per rank in the busiest shard: every rank runs this many "batches"
+    slots: int  # clients in the busiest shard (every rank knows it: the round's length on the slowest rank)
 
 
 @dataclass
