@@ -49,7 +49,7 @@ WORKLOADS: dict[str, Workload] = {
         quick_rounds=1,
         repeats=5,
         check_rounds=1,
-        target=1.15,
+        target=1.05,
     ),
     "b": Workload(
         key="b",
@@ -67,6 +67,6 @@ WORKLOADS: dict[str, Workload] = {
         quick_rounds=20,
         repeats=5,
         check_rounds=20,
-        target=1.5,
+        target=1.3,
     ),
 }

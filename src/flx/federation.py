@@ -401,7 +401,8 @@ class Federation:
             return None
         client = self.make_client(cid)
         self.load_global()
-        self.net.train()
+        if not self.net.training:  # evaluation and parts switch the whole net (its root) to eval and back
+            self.net.train()
         for part in self._hooked["on_client_start"]:
             part.on_client_start(self, client)
         loss = self._local_update(client)
