@@ -474,7 +474,7 @@ class Federation:
     def _local_steps(self, client: ClientContext) -> Tensor:
         x, y, opt = self.data.x, self.data.y, self.local_opt
         opt.state.clear()  # a fresh local optimizer per client
-        total = torch.zeros((), device=self.params[0].device)
+        losses: list[Tensor] = []  # summed once after the steps: one op per client, not one per step
         default = self.client_batches(client)
         with self.step_context():
             for k in range(client.num_steps):
@@ -493,9 +493,9 @@ class Federation:
                 opt.step()
                 for part in self._hooked["on_local_step_end"]:
                     part.on_local_step_end(self, client)
-                total += loss.detach()
+                losses.append(loss.detach())
         client.rows = client.batch = client.outputs = None
-        return total
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
 
     # ------------------------------------------------------------------ personalised evaluation
     def parts_with(self, hook: str) -> list[FederatedCallback]:
