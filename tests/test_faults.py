@@ -21,7 +21,7 @@ from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
 from flx.datamodules.datamodule import ClientStore
-from flx.faults import ClientFault, Diverged, RoundFaults
+from flx.faults import ClientFault, Diverged, RoundFaults, all_finite
 from flx.federation import derive_seed, local_batches
 from flx.hooks import FederatedCallback
 
@@ -208,3 +208,19 @@ def test_two_ranks_agree_on_the_dropped_clients() -> None:
     for fed in ranks:
         for a, b in zip(fed.net.parameters(), single.net.parameters()):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_all_finite_finds_any_bad_entry(dtype: torch.dtype) -> None:
+    """One NaN, +inf or -inf anywhere among 10**5 entries is found, also +inf and -inf in two tensors (their sums would
+    cancel to NaN, never to a finite number); large finite half-precision values (whose fp16 sum would overflow) are
+    finite: the sums run in fp32 at least."""
+    big = torch.full((100, 1000), 60000.0 if dtype == torch.float16 else 1.0, dtype=dtype)
+    assert all_finite([big, torch.ones(3, dtype=dtype)]) and all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = big.clone()
+        t[37, 411] = bad
+        assert not all_finite([torch.ones(3, dtype=dtype), t])
+    plus, minus = torch.zeros(4, dtype=dtype), torch.zeros(4, dtype=dtype)
+    plus[0], minus[1] = float("inf"), -float("inf")
+    assert not all_finite([plus, minus])

@@ -9,7 +9,6 @@ reports a :class:`RunFailure` as one line and exit status 3: a faulty run never 
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,14 +43,17 @@ class RoundFaults:
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite: one max-abs reduction per tensor, then one host sync on an
-    accelerator (on the CPU reading each maximum is cheaper than stacking them)."""
+    """Whether every entry of every tensor is finite: one sum per tensor (at least fp32), then one host sync.
+
+    A sum is NaN or infinite exactly when an entry is (NaN propagates, ``inf - inf`` is NaN), or when the finite
+    entries overflow the sum's dtype (fp32: beyond ~3e38), which only a model that has already blown up reaches. On
+    the CPU this is ~40x cheaper than a max-abs reduction (``torch._foreach_norm(..., inf)``: 5.7 ms for a
+    2.2M-parameter CNN against 0.14 ms).
+    """
     if not tensors:
         return True
-    norms = torch._foreach_norm(list(tensors), float("inf"))
-    if norms[0].is_cpu:
-        return all(math.isfinite(n.item()) for n in norms)
-    return bool(torch.stack(norms).isfinite().all())
+    sums = [t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+    return bool(torch.stack([x.to(sums[0].dtype) for x in sums]).sum().isfinite())
 
 
 def judge(faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: FederationConfig, warn: bool) -> RoundFaults:
