@@ -488,9 +488,7 @@ class Federation:
         """Client ``cid``'s personalised model in the net, in a ``with`` block (:func:`flx.evaluation.personalized`)."""
         return evaluation.personalized(self, cid)
 
-    def evaluate_clients(
-        self, data: Sequence[tuple[Tensor, Tensor]], metric: Callable[[Tensor, Tensor], Tensor]
-    ) -> Tensor:
+    def evaluate_clients(self, data: evaluation.ClientRows, metric: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """A metric of every client's personalised model on its own rows (:func:`flx.evaluation.evaluate_clients`)."""
         return evaluation.evaluate_clients(self, data, metric)
 
