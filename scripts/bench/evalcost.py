@@ -34,6 +34,7 @@ from typing_extensions import override
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+_OUT = tempfile.TemporaryDirectory(prefix="flx-evalcost-")  # every run's output folder, removed at exit
 
 WORKLOADS: dict[str, tuple[str, ...]] = {
     # `python train.py` as shipped: digits, MLP 200-200, 20 Dirichlet clients, 10 a round, 10 local steps
@@ -92,7 +93,7 @@ def _fit(overrides: list[str]) -> tuple[float, EvalTimer]:
     from flx.config import precheck
     from flx.run import build
 
-    cfg = precheck([*overrides, f"paths.output_dir={tempfile.mkdtemp(prefix='flx-evalcost-')}"])
+    cfg = precheck([*overrides, f"paths.output_dir={tempfile.mkdtemp(dir=_OUT.name)}"])
     dm, module, trainer = build(cfg)
     timer = EvalTimer()
     trainer.callbacks.append(timer)
@@ -104,7 +105,7 @@ def _fit(overrides: list[str]) -> tuple[float, EvalTimer]:
 
 def _pass_in_processes(overrides: list[str], devices: int) -> float:
     """Median evaluation pass of ``python train.py`` on ``devices`` CPU processes (DDP with 2)."""
-    out = Path(tempfile.mkdtemp(prefix="flx-evalcost-"))
+    out = Path(tempfile.mkdtemp(dir=_OUT.name))
     ddp = ["trainer=ddp", f"trainer.devices={devices}"] if devices > 1 else []
     timer = ["+callbacks.eval_timer._target_=evalcost.EvalTimer", f"+callbacks.eval_timer.path={out / 'timer.json'}"]
     cmd = [sys.executable, "train.py", *overrides, *ddp, *timer, f"hydra.run.dir={out}", "trainer.accelerator=cpu"]
