@@ -16,6 +16,7 @@ from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import Tensor
 
 from flx import autodiff
+from flx.datamodules.client_eval import ClientRows
 from flx.federation import COUNTERS
 from flx.hooks import HOOKS, FederatedCallback
 
@@ -280,9 +281,9 @@ def test_personalize_and_evaluate_clients_against_a_hand_computation() -> None:
     fed = make_fed(net, data, [_Shift()], loss_fn=_mse, clients_per_round=3)
     before = params(net)
     rng = torch.get_rng_state()
-    evaluation = [(data.x[r], data.y[r]) for r in data.client_indices] + [(data.x[:0], data.y[:0])]
+    evaluation = ClientRows(data.x, data.y, [*data.client_indices, torch.zeros(0, dtype=torch.long)])
     got = fed.evaluate_clients(evaluation, _mse)
-    for cid, (x, y) in enumerate(evaluation[:3]):
+    for cid, (x, y) in enumerate(evaluation[c] for c in range(3)):
         expected = F.mse_loss(x @ before[0].T + before[1] + cid, y)
         torch.testing.assert_close(got[cid], expected.double(), rtol=0, atol=1e-14)
     assert torch.isnan(got[3])  # a client without rows

@@ -444,19 +444,3 @@ def test_shards_balance_the_expected_cost(steps: int | None, epochs: int | None,
     ranks = [make_fed(linear(), data, rank=r, world_size=2, **kw) for r in (0, 1)]
     assert [ranks[0].expected_cost(c) for c in range(4)] == ([12] * 4 if steps else [60, 8, 8, 8])
     assert tuple(fed.begin_round(0).shard for fed in ranks) == expected
-
-
-def test_client_losses_batch_across_clients_and_equal_eval_loss_per_client() -> None:
-    """``client_losses`` (rows of many clients per forward, each row's loss from ``vmap``) equals ``eval_loss`` client
-    by client (float64, 1e-12), whatever the chunk that cuts clients apart; an empty client gets NaN; the net's mode
-    and its parameters are left as they were."""
-    data = toy_data([7, 12, 0, 30, 4], dtype=torch.float64)
-    fed = make_fed(_dropout_net().double(), data, clients_per_round=2)
-    fed.net.train()
-    before = [p.clone() for p in fed.net.parameters()]
-    expected = [fed.eval_loss(data.client_indices[c]) for c in (0, 1, 3, 4)]
-    for chunk in (5, 4096):
-        got = fed.client_losses([0, 1, 2, 3, 4], chunk=chunk)
-        torch.testing.assert_close(got[[0, 1, 3, 4]], torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
-        assert torch.isnan(got[2])
-    assert fed.net.training and all(torch.equal(a, b) for a, b in zip(before, fed.net.parameters()))

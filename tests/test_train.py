@@ -143,21 +143,40 @@ def _script(name: str, *args: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _evaluations(out: Path) -> dict[str, list[tuple[float, float]]]:
+    """``(round, value)`` of each evaluation key (``val/*``, ``train/client_loss_*``) logged in the run's CSV."""
+    rows = list(csv.DictReader(open(out / "csv" / "metrics.csv")))
+    keys = [k for k in rows[0] if k.startswith(("val/", "train/client_loss_"))]
+    return {k: [(float(r["fl/round"]), float(r[k])) for r in rows if r.get(k)] for k in keys}
+
+
 def test_one_process_equals_two_processes(tmp_path: Path) -> None:
-    """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model and the
-    same per-client state (every rank's store holds every client's state)."""
+    """The same run on 1 process and on 2 CPU processes (DDP, gloo) gives the same global model, the same per-client
+    state (every rank's store holds every client's state) and the same evaluation: each rank evaluates half the rows
+    (and half the clients of the per-client losses and the personalised models) and one all-reduce adds them up, so
+    every validated round logs the 1-process values."""
     common = [
         *SMALL,
         "model=mlp",
         "model.dropout=0.2",
         "algo.rounds=3",
+        "eval_every=2",  # validated after round 2 only
         "partition.num_clients=8",
         "algo.clients_per_round=5",
         COUNTER,
+        "+algo.parts.client_loss._target_=flx.callbacks.client_loss.ClientLoss",
+        "+algo.parts.personal._target_=flx.callbacks.personal_model.PersonalModel",
+        "+algo.parts.personal.model=local",  # clients that trained: their last local model; the others: the global
     ]
     acc_one = _cli(tmp_path / "one", *common).stdout.split("final test_acc=")[1].split()[0]
     acc_two = _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2").stdout.split("final test_acc=")[1]
     assert acc_one == acc_two.split()[0]  # each rank evaluates a shard of the test set; the metric syncs them
+    evals = [_evaluations(tmp_path / run) for run in ("one", "two")]
+    assert evals[0].keys() == evals[1].keys() >= {"val/acc", "val/client_acc_mean", "val/personal_acc_mean"}
+    assert "train/client_loss_max" in evals[0]
+    for key, points in evals[0].items():
+        assert [r for r, _ in points] == [r for r, _ in evals[1][key]] == [2.0], key
+        torch.testing.assert_close(evals[1][key], points, rtol=1e-5, atol=1e-6, msg=key)
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
     for k in one["state_dict"]:
         torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)

@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             r = optional(module, fn, args.quick)
             if r is not None:
                 payload[name] = r
-                report += ["", f"{name}: see above ({module}.py)"]
+                shown = getattr(__import__(module), "table", None)
+                report += ["", f"{name} ({module}.py):", shown(r) if shown else "see above"]
     print()
     print("\n".join(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -506,9 +506,7 @@ class Federation:
         """Client ``cid``'s personalised model in the net, in a ``with`` block (:func:`flx.evaluation.personalized`)."""
         return evaluation.personalized(self, cid)
 
-    def evaluate_clients(
-        self, data: Sequence[tuple[Tensor, Tensor]], metric: Callable[[Tensor, Tensor], Tensor]
-    ) -> Tensor:
+    def evaluate_clients(self, data: evaluation.ClientRows, metric: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """A metric of every client's personalised model on its own rows (:func:`flx.evaluation.evaluate_clients`)."""
         return evaluation.evaluate_clients(self, data, metric)
 
@@ -529,29 +527,6 @@ class Federation:
         finally:
             self.net.train(was_training)
         return float(total) / len(rows)
-
-    @torch.no_grad()
-    def client_losses(self, cids: Sequence[int], chunk: int = 4096) -> Tensor:
-        """Mean ``loss_fn`` of the net's current model over each of ``cids``' rows: a float64 tensor shaped like
-        ``cids``, as :meth:`eval_loss` per client (eval mode, step context, no random number) but batched across
-        clients: the rows of all of them in chunks of ``chunk``, each row's loss (``loss_fn`` on that row alone,
-        vectorised with ``torch.func.vmap``) summed into its client. A client without rows gets NaN."""
-        device = self.params[0].device
-        rows = [self.data.client_indices[c] for c in cids]
-        counts = torch.tensor([len(r) for r in rows], dtype=torch.float64, device=device)
-        owner = torch.repeat_interleave(torch.arange(len(rows), device=device), counts.long())
-        every = torch.cat([torch.as_tensor(r, device=device) for r in rows]) if rows else owner
-        sums = torch.zeros(len(rows), dtype=torch.float64, device=device)
-        per_row = torch.func.vmap(lambda out, target: self.loss_fn(out[None], target[None]))
-        was_training = self.net.training
-        self.net.eval()
-        try:
-            with self.step_context():
-                for r, who in zip(every.split(chunk), owner.split(chunk)):
-                    sums.index_add_(0, who, per_row(self.net(self.data.x[r]), self.data.y[r]).double())
-        finally:
-            self.net.train(was_training)
-        return sums / counts
 
     def _part_batch(self, client: ClientContext) -> Tensor | None:
         for part in self._hooked["sample_batch"]:

@@ -43,7 +43,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.metrics.auc import AUROCs
-from flx.metrics.client_summary import PerClientAccuracy, PerClientLoss, PerClientMSE
+from flx.metrics.client_summary import ClientCells, PerClientAccuracy, PerClientLoss, PerClientMSE
+from flx.metrics.sync import LOCAL
 from flx.models import heads
 from flx.task_spec import CLASSES, REAL, TARGETS, TOKENS, mismatch
 
@@ -60,6 +61,8 @@ def as_target(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
 class SplitMetrics(nn.Module):
     """One split's evaluation metrics: the mean task loss over the split's rows and the task's own metrics, plus a
     per-client metric summarised over the clients (``client_key``, e.g. ``acc``: ``client_acc_{mean,worst,std}``).
+    Sum-reduced metrics are built with :data:`~flx.metrics.sync.LOCAL`: on N processes they hold this rank's sums
+    until :func:`~flx.metrics.sync.reduce_sums` adds them up (one collective for all of them).
 
     Args:
         loss_fn: the task's batch-mean loss.
@@ -70,20 +73,21 @@ class SplitMetrics(nn.Module):
 
     def __init__(self, loss_fn: LossFn, num_clients: int = 0) -> None:
         super().__init__()
-        self.loss_fn, self.loss = loss_fn, MeanMetric()
-        self.client_loss = PerClientLoss(num_clients) if num_clients else None
+        self.loss_fn, self.loss = loss_fn, MeanMetric(**LOCAL)
+        self.client_loss = PerClientLoss(num_clients, **LOCAL) if num_clients else None
         # whether update_clients tracks each client's loss and rows: only W&B's per-client table reads them, so the
-        # module switches it on with a W&B logger (on every rank alike: computing them syncs across ranks)
+        # module switches it on with a W&B logger (on every rank alike)
         self.track_client_loss = False
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         """A batch of the split's rows: ``outputs`` of the net, ``target`` from the store."""
         self.loss.update(self.loss_fn(outputs, target), weight=len(target))
 
-    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
-        """A batch of per-client rows (``client``: each row's owner); here each client's loss and row count."""
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor, cells: ClientCells | None = None) -> None:
+        """A batch of per-client rows (``client``: each row's client, or with ``cells`` its cell, which counts for
+        every client holding it); here each client's loss and row count."""
         if self.client_loss is not None and self.track_client_loss:
-            self.client_loss.update(self.loss_fn, outputs, target, client)
+            self.client_loss.update(self.loss_fn, outputs, target, client, cells)
 
     def client_loss_values(self) -> tuple[Tensor, Tensor] | None:
         """Each client's mean loss and number of evaluation rows (NaN and 0: no rows); resets them. None: the
@@ -112,8 +116,8 @@ class ClassificationMetrics(SplitMetrics):
 
     def __init__(self, loss_fn: LossFn, num_classes: int, num_clients: int) -> None:
         super().__init__(loss_fn, num_clients)
-        self.acc = MulticlassAccuracy(num_classes, average="micro")
-        self.client = PerClientAccuracy(num_clients)
+        self.acc = MulticlassAccuracy(num_classes, average="micro", **LOCAL)
+        self.client = PerClientAccuracy(num_clients, **LOCAL)
         self.auc = AUROCs() if num_classes == 2 else None
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
@@ -122,9 +126,9 @@ class ClassificationMetrics(SplitMetrics):
         if self.auc is not None:
             self.auc.update(heads.binary_margin(outputs), target)
 
-    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
-        super().update_clients(outputs, target, client)
-        self.client.update(heads.predict(outputs), target, client)
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor, cells: ClientCells | None = None) -> None:
+        super().update_clients(outputs, target, client, cells)
+        self.client.update(heads.predict(outputs), target, client, cells)
 
     def values(self) -> dict[str, Metric | Tensor]:
         out: dict[str, Metric | Tensor] = {"acc": self.acc, "loss": self.loss}
@@ -146,16 +150,16 @@ class RegressionMetrics(SplitMetrics):
 
     def __init__(self, loss_fn: LossFn, num_clients: int) -> None:
         super().__init__(loss_fn, num_clients)
-        self.mse, self.client = MeanSquaredError(), PerClientMSE(num_clients)
+        self.mse, self.client = MeanSquaredError(**LOCAL), PerClientMSE(num_clients, **LOCAL)
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         super().update(outputs, target)
         pred, target = as_target(outputs, target)
         self.mse.update(pred.reshape(-1), target.reshape(-1))
 
-    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
-        super().update_clients(outputs, target, client)
-        self.client.update(*as_target(outputs, target), client)
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor, cells: ClientCells | None = None) -> None:
+        super().update_clients(outputs, target, client, cells)
+        self.client.update(*as_target(outputs, target), client, cells)
 
     def values(self) -> dict[str, Metric | Tensor]:
         mse = self.mse.compute()
@@ -174,7 +178,7 @@ class CustomMetrics(SplitMetrics):
     def __init__(self, loss_fn: LossFn, metric_name: str | None = None, metric_fn: LossFn | None = None) -> None:
         super().__init__(loss_fn)
         self.metric_name, self.metric_fn = metric_name, metric_fn
-        self.metric = MeanMetric() if metric_fn is not None else None
+        self.metric = MeanMetric(**LOCAL) if metric_fn is not None else None
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         super().update(outputs, target)
@@ -295,7 +299,7 @@ class MaskedLMMetrics(SplitMetrics):
 
     def __init__(self, loss_fn: LossFn, num_clients: int) -> None:
         super().__init__(loss_fn, num_clients)
-        self.acc, self.client = MeanMetric(), PerClientAccuracy(num_clients)
+        self.acc, self.client = MeanMetric(**LOCAL), PerClientAccuracy(num_clients, **LOCAL)
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         scored = target != IGNORE
@@ -304,10 +308,10 @@ class MaskedLMMetrics(SplitMetrics):
         hits = ((outputs.argmax(-1) == target) & scored).sum()
         self.acc.update(hits / n.clamp_min(1), weight=n)
 
-    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor) -> None:
-        super().update_clients(outputs, target, client)
-        scored = target != IGNORE  # (B, L); each scored token counts for its row's owner
-        self.client.update(outputs.argmax(-1)[scored], target[scored], client[:, None].expand_as(target)[scored])
+    def update_clients(self, outputs: Tensor, target: Tensor, client: Tensor, cells: ClientCells | None = None) -> None:
+        super().update_clients(outputs, target, client, cells)
+        scored = target != IGNORE  # (B, L); each scored token counts for its row's client (cell)
+        self.client.update(outputs.argmax(-1)[scored], target[scored], client[:, None].expand_as(target)[scored], cells)
 
     def values(self) -> dict[str, Metric | Tensor]:
         return {"loss": self.loss, "acc": self.acc, "ppl": self.loss.compute().exp()}

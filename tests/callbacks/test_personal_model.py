@@ -13,6 +13,7 @@ from least_squares import f64, flat, grad, mse, regression, xt
 
 from flx.callbacks.personal_model import PersonalModel
 from flx.callbacks.prox import Prox
+from flx.datamodules.client_eval import ClientRows
 
 
 def test_global_model_is_fedavgs_personalised_model() -> None:
@@ -21,7 +22,7 @@ def test_global_model_is_fedavgs_personalised_model() -> None:
     fed = make_fed(linear(3, 1, dtype=f64), data, [PersonalModel("global")], loss_fn=mse, clients_per_round=2)
     run_rounds(fed, 1)
     w = flat(fed.params)
-    evaluation = [(data.x[r], data.y[r]) for r in data.client_indices]
+    evaluation = ClientRows(data.x, data.y, data.client_indices)
     got = fed.evaluate_clients(evaluation, mse)
     expected = torch.stack([((xt(x) @ w - y.reshape(-1)) ** 2).mean() for x, y in evaluation])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)

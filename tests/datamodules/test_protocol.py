@@ -107,20 +107,25 @@ def test_no_validation_split_skips_the_validation_loop_and_eval_test_adds_the_te
     dm = _dm(0.0, partitioner=IID(num_clients=4, test_fraction=0.2))
     assert dm.data.num_val == 0 and dm.val_dataloader() == [] and dm.eval_plan("val") == []
     dm.eval_test = True
-    assert dm.eval_plan("val") == [("test", False), ("test", True)] == dm.eval_plan("test")
+    # (split, overall, per_client): the test split, then each client's held-out training rows in a loader of their own
+    assert dm.eval_plan("val") == [("test", True, False), ("test", False, True)] == dm.eval_plan("test")
     assert torch.equal(dm.val_dataloader()[0].tensors[1], dm.data.y_test)
     carved = _dm(0.1, partitioner=IID(num_clients=4, test_fraction=0.2))
-    assert carved.eval_plan("val") == [("val", False), ("val", True)]
+    assert carved.eval_plan("val") == [("val", True, True)]  # the clients' validation rows are the split's own
     assert torch.equal(carved.val_dataloader()[0].tensors[1], carved.data.y_val)
 
 
 def test_client_rows_on_the_validation_split_are_its_labels_validation_rows() -> None:
+    """One class per client: client c's validation rows are those of label c, and one pass over the split serves every
+    client (each row carries its cell, its label)."""
     from flx.datamodules.partitioners import OneClass
 
     dm = _dm(0.2, partitioner=OneClass(num_clients=10), standardize=False)
-    x, y, owner = (torch.cat([b[i] for b in dm.val_dataloader()[1]]) for i in range(3))
-    for c in range(10):
-        assert torch.equal(x[owner == c], dm.data.x_val[dm.data.y_val == c])
+    (loader,) = dm.val_dataloader()
+    x, y, cell = (torch.cat([b[i] for b in loader]) for i in range(3))
+    assert torch.equal(x, dm.data.x_val) and torch.equal(cell, y)
+    for c, (xc, yc) in enumerate(dm.client_eval_data("val")):
+        assert torch.equal(xc, dm.data.x_val[dm.data.y_val == c]) and bool((yc == c).all())
 
 
 # ------------------------------------------------------------------------------------------------ seeds and files

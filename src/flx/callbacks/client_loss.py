@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
@@ -45,12 +46,13 @@ class ClientLossParams:
 def client_train_losses(fed: Federation) -> Tensor:
     """``f_i`` of the net's current model on each client's full training rows: a ``(N,)`` float64 tensor on CPU.
 
-    Every rank computes its share of the clients and one sum over the ranks fills the rest, so all ranks return the
-    same vector; call it on every rank.
+    Every rank computes its share of the clients, batched across them (:func:`flx.evaluation.client_losses`: a
+    forward pass covers many clients' rows), and one sum over the ranks fills the rest, so all ranks return the same
+    vector; call it on every rank.
     """
     out = torch.zeros(fed.num_clients, dtype=torch.float64, device=fed.params[0].device)
-    mine = list(range(fed.rank, fed.num_clients, fed.world_size))
-    out[mine] = fed.client_losses(mine)  # batched across this rank's clients, not one forward per client
+    for cid, loss in client_losses(fed, range(fed.rank, fed.num_clients, fed.world_size)).items():
+        out[cid] = loss
     if fed.world_size > 1 and fed.reduce_sum is not None:
         out = fed.reduce_sum(out)
     return out.cpu()

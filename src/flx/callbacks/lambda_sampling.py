@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from flx import simplex
 from flx.errors import bad_value
+from flx.evaluation import client_losses
 from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
 from flx.wandb_logging import log_line_series
@@ -163,8 +164,8 @@ class LambdaSampling(FederatedCallback):
         else:  # DRFA-GA: every client's full local loss at the round-start model (Alg. 3 lines 11-12): this rank's
             # share (client i on rank i mod N); the round's all-reduce sums the shares before on_round_end
             losses = fed.stat(_FULL_LOSSES)
-            for cid in range(fed.rank, fed.num_clients, fed.world_size):
-                losses[cid] = fed.eval_loss(fed.data.client_indices[cid])
+            for cid, loss in client_losses(fed, range(fed.rank, fed.num_clients, fed.world_size)).items():
+                losses[cid] = loss  # batched over the clients: one forward pass covers many clients' rows
 
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:

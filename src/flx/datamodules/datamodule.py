@@ -3,8 +3,12 @@
 The train "dataloader" is the round loader of :mod:`flx.loop` (it yields client ids); local minibatches
 are drawn by the federation straight from the store, so a client costs no copy and no DataLoader.
 Validation iterates the VALIDATION split (``data.val_fraction`` of the training rows, carved before any
-imbalance, label noise or partitioning: :mod:`flx.datamodules.protocol`) and test the global test split, each
-sharded over ranks without padding (so metrics are exact), each followed by a per-client loader (``client_eval``).
+imbalance, label noise or partitioning: :mod:`flx.datamodules.protocol`) and test the global test split, in batches of
+``eval_batch_size`` rows indexed from the in-memory tensors, each sharded over ranks without padding (rank ``r`` of
+``N`` takes rows ``r, r + N, ...``; the metrics sum over ranks, so they are exact). Per-client metrics (``client_eval``)
+ride in the same pass when each client's rows are cells of the split (its labels' or its group's rows:
+:mod:`flx.datamodules.client_eval`, every row evaluated once), else in a second loader (each client's own held-out
+rows).
 With no validation split (``data.val_fraction=0``) the validation loop is skipped, unless ``eval_test`` adds the
 test loaders to it (test curves per round, logged as ``test/*``).
 The server split (``data.server_fraction``, carved after the validation split) is ``server_rows``: rows of the same
@@ -15,7 +19,7 @@ models (:mod:`flx.resources`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lightning.pytorch as pl
 import numpy as np
@@ -23,15 +27,27 @@ import torch
 from torch import Tensor
 
 from flx.config import CLIENT_EVAL
+from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, holdout
 from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 from flx.datamodules.protocol import DataProtocol, load, save_split
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.loop import RoundLoader
+from flx.metrics.client_summary import ClientCells
 
 if TYPE_CHECKING:
     from flx.resources import ServerResources
+
+
+class EvalLoader(NamedTuple):
+    """One evaluation loader: its ``split`` (``val`` / ``test``), whether its rows feed the split's metrics
+    (``overall``: batches ``(x, y, ...)``) and the per-client ones (``per_client``: the batch's last tensor is each
+    row's cell, :meth:`FederatedDataModule.client_cells`)."""
+
+    split: str
+    overall: bool
+    per_client: bool
 
 
 class TensorBatches:
@@ -127,8 +143,8 @@ class FederatedDataModule(pl.LightningDataModule):
         self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in self.split.train]
         self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in self.split.test]
         d = self.data
-        self._client_rows = {"test": self._client_test_rows(d.y_test, d.groups_test)}
-        self._client_rows["val"] = self._global_rows(d.y_val, d.groups_val) if d.num_val else []
+        self._eval_rows = {"test": self._split_rows("test"), "val": self._split_rows("val") if d.num_val else None}
+        self._has_rows = {s: r is not None and bool(r.counts().sum() > 0) for s, r in self._eval_rows.items()}
         support = None if self.split.support is None else [torch.as_tensor(a) for a in self.split.support]
         self.clients = ClientStore(
             self.data.x_train, self.data.y_train, self.client_train, self.split.num_train_clients, support
@@ -167,51 +183,50 @@ class FederatedDataModule(pl.LightningDataModule):
     def num_clients(self) -> int:
         return len(self.client_train)
 
-    def _client_test_rows(self, y: Tensor, groups: Tensor | None) -> list[Tensor]:
-        """Per client, its own held-out training rows (``holdout``) or the test rows of its labels / group."""
-        return self.client_test if self.client_eval == "holdout" else self._global_rows(y, groups)
-
-    def _global_rows(self, y: Tensor, groups: Tensor | None) -> list[Tensor]:
-        """Per client, the rows of a global split (``y``, ``groups``) that share its labels (or its one group).
+    def _split_rows(self, split: str) -> EvalRows | None:
+        """The per-client evaluation rows of ``split``: each client's own held-out training rows (``holdout`` on the
+        test split), else the split's rows of the labels it trains on (or of its one group: ``test_group``); None:
+        the split has none for anyone.
 
         Real-valued targets (regression) and token targets (a language model) have no labels to share: no per-client
         rows (``holdout`` on the validation split), and ``client_eval=test_labels`` stops with one line."""
         d = self.data
+        if split == "test" and self.client_eval == "holdout":
+            return holdout(d.x_train, d.y_train, self.client_test)
+        x, y, groups = (d.x_val, d.y_val, d.groups_val) if split == "val" else (d.x_test, d.y_test, d.groups_test)
         if self.client_eval == "test_labels" and not d.class_labels:
             why = "needs class labels; with real-valued or token targets use holdout (and partition.test_fraction > 0)"
             raise bad_value("client_eval", self.client_eval, why)
         if self.client_eval != "test_group" and not d.class_labels:
-            return []
+            return None
         if self.client_eval != "test_group":
-            return [torch.isin(y, d.y_train[rows].unique()).nonzero().flatten() for rows in self.client_train]
+            return by_cell(x, y, y, [d.y_train[rows].unique() for rows in self.client_train])
         if d.groups_train is None or groups is None:
             why = "needs a dataset with sample groups (data=adult, data=shakespeare)"
             raise bad_value("client_eval", self.client_eval, why)
-        out = []
-        for cid, rows in enumerate(self.client_train):
-            held = d.groups_train[rows].unique()
-            if len(held) != 1:
-                why = f"client {cid} holds {len(held)} groups; every client must hold one (partition=by_group)"
+        held = [d.groups_train[rows].unique() for rows in self.client_train]
+        for cid, g in enumerate(held):
+            if len(g) != 1:
+                why = f"client {cid} holds {len(g)} groups; every client must hold one (partition=by_group)"
                 raise bad_value("client_eval", self.client_eval, why)
-            out.append((groups == held[0]).nonzero().flatten())
-        return out
+        return by_cell(x, y, groups, held)
 
     def has_client_rows(self, split: str) -> bool:
         """Whether ``split`` (``val`` or ``test``) has per-client evaluation rows."""
-        return sum(len(t) for t in self._client_rows[split]) > 0
+        return self._has_rows[split]
 
-    def client_eval_data(self, split: str) -> list[tuple[Tensor, Tensor]]:
+    def client_cells(self, split: str) -> ClientCells:
+        """Which cells of ``split``'s per-client rows each client holds (the loaders carry each row's cell)."""
+        return self._eval_rows[split].cells
+
+    def client_eval_data(self, split: str) -> ClientRows:
         """Each client's evaluation rows of ``split`` (``val`` or ``test``) as ``(x, y)``: the rows its per-client
         metrics use (``client_eval``), e.g. for the personalised evaluation."""
-        x, y = self._client_source(split)
-        return [(x[rows], y[rows]) for rows in self._client_rows[split]]
-
-    def _client_source(self, split: str) -> tuple[Tensor, Tensor]:
-        """The tensors the per-client rows of ``split`` index: the split's, or the training rows for the holdout."""
-        d = self.data
-        if split == "test" and self.client_eval == "holdout":
-            return d.x_train, d.y_train
-        return (d.x_val, d.y_val) if split == "val" else (d.x_test, d.y_test)
+        rows = self._eval_rows[split]
+        if rows is None:
+            x, y = (self.data.x_val, self.data.y_val) if split == "val" else (self.data.x_test, self.data.y_test)
+            return ClientRows(x[:0], y[:0], [])
+        return rows.clients()
 
     def train_dataloader(self) -> RoundLoader:
         return RoundLoader()
@@ -226,22 +241,29 @@ class FederatedDataModule(pl.LightningDataModule):
         return torch.arange(rank, n, world)
 
     def _split_loaders(self, split: str) -> list[TensorBatches]:
-        """The global loader of ``split`` (``val`` or ``test``), then its per-client loader if it has one."""
-        d = self.data
+        """The loaders of ``split`` (``val`` or ``test``) in :meth:`eval_plan` order: ``(x, y)`` of the split, with
+        each row's cell when the per-client rows are the split's own, else followed by ``(x, y, cell)`` of them."""
+        d, rows, size = self.data, self._eval_rows[split], self.eval_batch_size
         x, y = (d.x_val, d.y_val) if split == "val" else (d.x_test, d.y_test)
-        loaders = [TensorBatches((x, y), self.eval_batch_size, self._rank_rows(len(y)))]
-        if self.has_client_rows(split):
-            per_client = self._client_rows[split]
-            rows = torch.cat(per_client)
-            owner = torch.cat([torch.full((len(t),), c, dtype=torch.long) for c, t in enumerate(per_client)])
-            x, y = self._client_source(split)
-            loaders.append(TensorBatches((x[rows], y[rows], owner), self.eval_batch_size, self._rank_rows(len(rows))))
-        return loaders
+        if not self.has_client_rows(split):
+            return [TensorBatches((x, y), size, self._rank_rows(len(y)))]
+        if rows.shared:
+            return [TensorBatches((x, y, rows.cell), size, self._rank_rows(len(y)))]
+        per_client = TensorBatches((rows.x, rows.y, rows.cell), size, self._rank_rows(len(rows.y)))
+        return [TensorBatches((x, y), size, self._rank_rows(len(y))), per_client]
 
-    def eval_plan(self, stage: str) -> list[tuple[str, bool]]:
-        """``(split, per_client)`` of each loader of the ``val`` or ``test`` stage, in dataloader-index order."""
+    def eval_plan(self, stage: str) -> list[EvalLoader]:
+        """What each loader of the ``val`` or ``test`` stage feeds, in dataloader-index order."""
         splits = ["test"] if stage == "test" else (["val"] if self.data.num_val else []) + ["test"] * self.eval_test
-        return [(split, k == 1) for split in splits for k in range(1 + self.has_client_rows(split))]
+        plan = []
+        for split in splits:
+            if not self.has_client_rows(split):
+                plan.append(EvalLoader(split, True, False))
+            elif self._eval_rows[split].shared:
+                plan.append(EvalLoader(split, True, True))
+            else:
+                plan += [EvalLoader(split, True, False), EvalLoader(split, False, True)]
+        return plan
 
     def val_dataloader(self) -> list[TensorBatches]:
         """The validation split's loaders (and the test split's with ``eval_test``); empty: the loop is skipped."""

@@ -25,6 +25,7 @@ from flx.faults import Diverged
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.metrics.client_summary import spread, summarize
+from flx.metrics.sync import reduce_sums, summed
 from flx.tasks import Classification, Task
 from flx.wandb_logging import ROUND, wandb_loggers
 
@@ -163,16 +164,17 @@ class FederatedModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ evaluation of the global model
     def _eval_step(self, stage: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
-        # which split (val: the validation rows, test: the test split) and kind this loader is: see eval_plan
-        split, per_client = self.trainer.datamodule.eval_plan(stage)[dataloader_idx]
+        # which split (val: the validation rows, test: the test split) this loader is and what it feeds: see eval_plan
+        dm = self.trainer.datamodule
+        split, overall, per_client = dm.eval_plan(stage)[dataloader_idx]
         x = batch[0]
         if x.is_floating_point():  # integer token ids stay int64
             x = x.to(next(self.net.parameters()).dtype)
         outputs = self.net(x)
-        if not per_client:
+        if overall:
             self.metrics[split].update(outputs, batch[1])
-        else:
-            self.metrics[split].update_clients(outputs, batch[1], batch[2])
+        if per_client:  # the batch's last tensor: each row's cell, counted for every client that holds it
+            self.metrics[split].update_clients(outputs, batch[1], batch[-1], dm.client_cells(split))
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
         self._eval_step("val", batch, dataloader_idx)
@@ -184,7 +186,11 @@ class FederatedModule(pl.LightningModule):
         dm = self.trainer.datamodule
         if self.loggers:  # the round the evaluated model comes from: the x-axis of the evaluation's metrics
             self.log(ROUND, float(self.federation.server.round), add_dataloader_idx=False)
-        for split in dict.fromkeys(split for split, _ in dm.eval_plan(stage)):
+        splits = list(dict.fromkeys(loader.split for loader in dm.eval_plan(stage)))
+        if self.trainer.world_size > 1:  # each rank evaluated a share of the rows: one all-reduce adds them up
+            summed_metrics = [m for split in splits for m in summed(self.metrics[split])]
+            reduce_sums(summed_metrics, lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
+        for split in splits:
             if stage == "val":
                 self._check_finite(split)
             self._log_split(split, dm.has_client_rows(split))
@@ -196,7 +202,7 @@ class FederatedModule(pl.LightningModule):
         rows: for a part that evaluates a second personalisation (``Adapt``'s ``also_steps``), from its own
         ``on_{validation,test}_epoch_end``."""
         dm = self.trainer.datamodule
-        for split in dict.fromkeys(split for split, _ in dm.eval_plan(stage)):
+        for split in dict.fromkeys(loader.split for loader in dm.eval_plan(stage)):
             if dm.has_client_rows(split):
                 self._log_personal(split, name)
 
@@ -204,11 +210,7 @@ class FederatedModule(pl.LightningModule):
         """Each client's personalised model (the parts' ``personalize``) on its own evaluation rows of ``split``:
         ``{split}/<name>_<key>_{mean,worst,p10}`` (``<key>``: the task's per-client metric), and on W&B the
         per-client table and bar chart."""
-        dtype = next(self.net.parameters()).dtype
-        data = [
-            (x.to(self.device, dtype) if x.is_floating_point() else x.to(self.device), y.to(self.device))
-            for x, y in self.trainer.datamodule.client_eval_data(split)
-        ]
+        data = self.trainer.datamodule.client_eval_data(split).to(self.device, next(self.net.parameters()).dtype)
         per_client = self.federation.evaluate_clients(data, self.task.client_metric)
         key = self.task.client_key
         for k, v in spread(per_client, self.task.higher_is_better).items():
