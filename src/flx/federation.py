@@ -217,7 +217,7 @@ class Federation:
         cohort, mult = tuple(int(c) for c in ids), tuple(int(c) for c in counts)
         self._multiplicity = dict(zip(cohort, mult))
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
-        # padding slots only and add nothing to the aggregate
+        # an empty batch and add nothing to the aggregate
         runs = [c for c, k in zip(cohort, mult) for _ in range(k if self.cfg.duplicates == "repeat" else 1)]
         shards = shard_greedy(runs, [self.expected_cost(c) for c in runs], self.world_size)
         self._assign_copies(shards)

@@ -7,7 +7,7 @@ only; Lightning creates it there):
   ``data.name``, ``seed``), plus ``code.flx_version``, ``code.git_commit`` and ``code.git_dirty`` (a git checkout
   only); ``flx.run.build_trainer`` hands it the config (:meth:`WandbLogger.describe`);
 - makes ``fl/round`` (rounds completed, logged with every round's and every evaluation's metrics) the x-axis of every
-  key, in place of Lightning's ``trainer/global_step`` (which counts client slots, not rounds);
+  key, in place of Lightning's ``trainer/global_step`` (0-based rounds: it does not count evaluations or the test);
 - finishes its run when a Trainer call fails (``finalize("failed")``); ``flx.run.train`` finishes it after the test
   (:func:`finish`), so the offline files are complete when ``train`` returns.
 
