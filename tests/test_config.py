@@ -145,6 +145,8 @@ CASES = [
     Case("eval-every-zero", ("eval_every=0",), ("eval_every=0", ">= 1")),
     Case("seed-negative", ("seed=-1",), ("seed=-1", ">= 0")),
     Case("precision-unknown", ("trainer.precision=12",), ("trainer.precision=12", "32-true", "bf16-mixed")),
+    Case("limit-negative", ("trainer.limit_train_batches=-3",), ("trainer.limit_train_batches=-3", "fraction")),
+    Case("limit-fraction-above-1", ("trainer.limit_train_batches=1.5",), ("trainer.limit_train_batches=1.5", "(0, 1]")),
     Case("strategy-unknown", ("trainer.strategy=fsdp",), ("trainer.strategy=", "fsdp", "ddp")),
     Case("devices-2-without-ddp", ("trainer.devices=2",), ("trainer.strategy", "ddp", "2 devices")),
     Case(

@@ -290,6 +290,11 @@ def _check_trainer(cfg: DictConfig) -> None:
     strategy = t.get("strategy", "auto")
     if isinstance(strategy, str) and strategy not in STRATEGIES:
         raise bad_value("trainer.strategy", strategy, f"allowed: {', '.join(STRATEGIES)}")
+    limit = t.get("limit_train_batches")  # applied by flx's loop (clients per rank and round), not by Lightning
+    ok = limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)
+    if not (ok or (isinstance(limit, float) and 0 < limit <= 1)):
+        allowed = "null, an integer >= 1 (clients per rank and round) or a fraction in (0, 1]"
+        raise bad_value("trainer.limit_train_batches", limit, f"allowed: {allowed}")
     world = _world_size(cfg)
     if world > 1 and strategy == "auto":
         raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")
