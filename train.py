@@ -107,7 +107,7 @@ def _run_command_line() -> None:
     if cfg is not None:  # trainer=ddp on one machine: start the other ranks now, their start-up beside this one
         prelaunch(cfg.trainer, lambda: run_dir(sys.argv[1:]))
     main()
-    status = join_children(0)  # the ranks prelaunch started: a failure of theirs is the run's
+    status = join_children()  # the ranks prelaunch started: a failure of theirs is the run's
     if status:
         sys.exit(status)
     if failures():  # a sweep: every job ran; say which failed

@@ -357,8 +357,10 @@ class Federation:
         draws = 1 if repeat else self._multiplicity[cid]
         weight = self.base_weight(cid, draws)
         # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
-        seed = self._seeds.get(cid) if not copy else None  # drawn for the whole shard in begin_round
-        seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ())) if seed is None else seed
+        if copy or cid not in self._seeds:  # copy 0 of the shard's clients: drawn at once in begin_round
+            seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ()))
+        else:
+            seed = self._seeds[cid]
         # dropout & co. depend only on (seed, round, client). Not torch.manual_seed: on CUDA builds it records a
         # stack trace per call for lazy CUDA seeding (~0.5 ms under Lightning's call stack)
         torch.default_generator.manual_seed(seed)

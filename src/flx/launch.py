@@ -202,11 +202,9 @@ def prelaunch(trainer: Mapping[str, Any], run_dir: Callable[[], str]) -> None:
     sys.argv = [sys.argv[0], *args, f"hydra.run.dir={folder}"]
 
 
-def join_children(status: int) -> int:
-    """Waits for the ranks :func:`prelaunch` started; the exit status of the run: this process's, else the first
-    failing child's."""
-    for child in _children:
-        code = child.wait()
-        status = status or code
+def join_children() -> int:
+    """Waits for the ranks :func:`prelaunch` started (this process succeeded): 0, or the first failing child's exit
+    status."""
+    codes = [child.wait() for child in _children]
     _children.clear()
-    return status
+    return next((code for code in codes if code), 0)
