@@ -110,10 +110,36 @@ def raises_one_line(func: Callable[..., object], *args: object, match: str, **kw
 
 class KillMidRound(FederatedCallback):
     """Test callback for real crashes: SIGKILLs its own process after the ``client``-th client of round ``round``
-    (0-based), i.e. in the middle of that round, as a node failure or the OOM killer would."""
+    (0-based), i.e. in the middle of that round, as a node failure or the OOM killer would.
 
-    def __init__(self, round: int, client: int = 2, signal: str = "SIGKILL") -> None:
-        self.round, self.client, self.signal, self._seen = round, client, signal, 0
+    Checkpoints are written in a background thread (:mod:`flx.checkpoint_io`), so which file a kill finds on disk
+    depends on timing; both cases are made deterministic here. By default the kill comes once the files saved so far
+    are on disk (a crash in the middle of a round's compute): round ``round``'s start checkpoint is the last one. With
+    ``stall_write`` seconds, the writer is held that long from the end of round ``round - 1``, so the kill lands while
+    that round's checkpoint is still in flight: the one before it is the last on disk.
+    """
+
+    def __init__(self, round: int, client: int = 2, signal: str = "SIGKILL", stall_write: float = 0.0) -> None:
+        self.round, self.client, self.signal, self.stall_write, self._seen = round, client, signal, stall_write, 0
+        self._io: object = None
+
+    def setup(self, trainer: object, pl_module: object, stage: str) -> None:
+        self._io = trainer.strategy.checkpoint_io
+
+    def on_train_epoch_end(self, trainer: object, pl_module: object) -> None:
+        # runs before the checkpoint callbacks' (Lightning orders those last): the round's file, submitted by the
+        # checkpoint IO after it waited for the previous one, queues behind a sleep
+        if self.stall_write and trainer.current_epoch + 1 == self.round:
+            io = self._io
+
+            def stalled(fn: object, *args: object) -> None:
+                import time
+
+                del io.submit  # the class's method again
+                io.submit(time.sleep, self.stall_write)
+                io.submit(fn, *args)
+
+            io.submit = stalled
 
     def on_client_end(self, fed: Federation, client: object) -> None:
         import os
@@ -122,6 +148,8 @@ class KillMidRound(FederatedCallback):
         if fed.rnd.round == self.round:
             self._seen += 1
             if self._seen == self.client:
+                if not self.stall_write:
+                    self._io.wait()
                 os.kill(os.getpid(), getattr(signal, self.signal))
 
 

@@ -45,8 +45,9 @@ def test_default_run_reaches_090_and_keeps_the_last_two_round_checkpoints(defaul
 
 
 def test_sigkill_mid_round_then_resume_equals_uninterrupted(default_run, tmp_path: Path) -> None:
-    """Killed (SIGKILL) after the 2nd client of round 5: round 4's checkpoint is on disk; resuming in the same folder
-    with ckpt_path=auto ends bitwise equal to the uninterrupted run; metrics and configs of the first try are kept."""
+    """Killed (SIGKILL) after the 2nd client of round 5, once round 4's checkpoint is on disk (the next test kills
+    while it is in flight): resuming in the same folder with ckpt_path=auto ends bitwise equal to the uninterrupted
+    run; metrics and configs of the first try are kept."""
     out = tmp_path / "run"
     killed = run(out, *KILL)
     assert killed.returncode == -9, killed.stderr[-3000:]
@@ -67,6 +68,24 @@ def test_sigkill_mid_round_then_resume_equals_uninterrupted(default_run, tmp_pat
     assert (out / ".hydra" / "config.yaml").read_bytes() == config_before and (
         out / ".hydra" / "config.1.yaml"
     ).exists()
+
+
+def test_sigkill_while_a_checkpoint_is_in_flight_resumes_from_the_one_before(default_run, tmp_path: Path) -> None:
+    """Checkpoints are written in the background: a kill while round 4's file is still queued (the writer held for
+    30 s) loses that file only; round 3's is intact and the run resumes from it to the same final model. A write
+    cut short half way (its temporary file, planted here: a kill cannot be timed into the write) is removed at the
+    resume, with a warning."""
+    out = tmp_path / "run"
+    killed = run(out, *KILL, "+callbacks.kill.stall_write=30")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    folder = out / "checkpoints"
+    assert ckpt(folder / "last.ckpt")["flx"]["round"] == 3 and not (folder / "round_00004.ckpt").exists()
+    (folder / ".round_00004.ckpt.tmp-4242").write_bytes(b"half a checkpoint")
+    resumed = run(out, "ckpt_path=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "removed 1 partly written checkpoint file(s)" in resumed.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "round_00029.ckpt", "round_00030.ckpt"]
+    assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(folder / "last.ckpt"))
 
 
 def test_slurm_requeue_signal_checkpoints_at_the_round_boundary(default_run, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,13 +32,19 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
 LAST = "last.ckpt"  # the newest round checkpoint of a run folder (a hard link; flx.callbacks.checkpoint)
+PARTIAL_WRITE = re.compile(r"\..+\.tmp-\d+")  # the name of a write in progress, or one a kill cut short
+
+
+def _temporary(path: str) -> str:
+    """The file a write to ``path`` goes through: hidden, in the same folder, named after this process."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
 
 
 def atomic_write_bytes(data: bytes, path: str) -> None:
     """Writes ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -53,7 +60,7 @@ def atomic_write_bytes(data: bytes, path: str) -> None:
 
 def atomic_link(src: str, dst: str) -> None:
     """Makes ``dst`` name the same file as ``src`` (a hard link, or a copy where links fail), atomically."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst)}.tmp-{os.getpid()}")
+    tmp = _temporary(dst)
     if os.path.exists(tmp):
         os.remove(tmp)
     try:

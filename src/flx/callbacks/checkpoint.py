@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
-from flx.checkpoint_io import LAST, AtomicCheckpointIO, atomic_link
+from flx.checkpoint_io import LAST, PARTIAL_WRITE, AtomicCheckpointIO, atomic_link
 from flx.config import check_checkpoint
 from flx.errors import ConfigError, bad_value
 from flx.launch import slurm_job_id
@@ -117,8 +117,25 @@ class RoundCheckpoint(Checkpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
             trainer.strategy.checkpoint_io.background = self.background
+        if stage == "fit" and trainer.is_global_zero:
+            self._remove_partial_writes()
         if stage == "fit" and self.requeue:
             signal.signal(self.requeue_signal, self._on_signal)
+
+    def _remove_partial_writes(self) -> None:
+        """Removes the temporary files of writes cut short by a kill (``.NAME.tmp-PID``, :mod:`flx.checkpoint_io`):
+        never read, each as large as a checkpoint, and a resumed run (another pid) would not overwrite them."""
+        if not os.path.isdir(self.dirpath):
+            return
+        partial = sorted(f for f in os.listdir(self.dirpath) if PARTIAL_WRITE.fullmatch(f))
+        for name in partial:
+            os.remove(os.path.join(self.dirpath, name))
+        if partial:
+            log.warning(
+                "flx: removed %d partly written checkpoint file(s) of an interrupted run: %s",
+                len(partial),
+                ", ".join(partial),
+            )
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
