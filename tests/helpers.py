@@ -63,9 +63,7 @@ def make_fed(
 def run_rounds(fed: Federation, rounds: int, start: int = 0) -> None:
     """Drives the protocol as the Lightning loops do on a single process."""
     for r in range(start, start + rounds):
-        rnd = fed.begin_round(r)
-        for cid in rnd.shard:
-            fed.train_client(cid)
+        fed.train_clients(fed.begin_round(r).shard)
         fed.end_round()
 
 

@@ -47,6 +47,7 @@ SETTINGS = {
     ),
 }
 settings = "defaults"  # which of SETTINGS the runs use (run.py --settings)
+DIFF_TOLERANCE = 1e-4  # flx vs plain on the same cohorts and batches: identical maths, fp32 summation order
 
 
 @dataclass
@@ -185,3 +186,43 @@ def run_plain(b: FlxBuild, matched: bool) -> Run:
 
 def max_abs_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a, b))
+
+
+def _stacked(w: Workload) -> bool:
+    """``algo.vectorize=true``: flx makes no ``torch.optim`` steps (its stacked SGD step is its own), so the step
+    counts cannot be compared; the final-model check on the same cohorts and batches stands for them."""
+    return "algo.vectorize=true" in w.overrides
+
+
+def check(w: Workload, accelerator: str, threads: int | None) -> tuple[float, int]:
+    """flx and the plain loop on flx's cohorts and batches: same steps, same final model. Returns (diff, steps)."""
+    b = build_flx(compose(w, w.check_rounds, accelerator, threads))
+    f, p = run_flx(b), run_plain(b, matched=True)
+    if f.steps != p.steps and not (_stacked(w) and f.steps == 0) or p.steps == 0:
+        raise AssertionError(f"workload {w.key}: flx made {f.steps} local steps, the plain loop {p.steps}")
+    diff = max_abs_diff(f.params, p.params)
+    if diff > DIFF_TOLERANCE:
+        raise AssertionError(f"workload {w.key}: final models differ by {diff:.3g} (> {DIFF_TOLERANCE})")
+    run_plain(b, matched=False)  # warm-up of the timed plain variant
+    return diff, f.steps
+
+
+def measure(
+    w: Workload, rounds: int, repeats: int, accelerator: str, threads: int | None
+) -> tuple[list[float], list[float], int]:
+    """Alternating timed runs; returns the flx and plain seconds and the (common) step count per run."""
+    cfg = compose(w, rounds, accelerator, threads)
+    flx_s, plain_s, steps = [], [], set()
+    for i in range(repeats):
+        b = build_flx(cfg)
+        order = ("flx", "plain") if i % 2 == 0 else ("plain", "flx")
+        runs = {side: run_flx(b) if side == "flx" else run_plain(b, matched=False) for side in order}
+        if runs["flx"].steps != runs["plain"].steps and not _stacked(w):
+            raise AssertionError(f"workload {w.key}: flx made {runs['flx'].steps} steps, plain {runs['plain'].steps}")
+        flx_s.append(runs["flx"].seconds)
+        plain_s.append(runs["plain"].seconds)
+        steps.add(runs["flx"].steps)
+        pair = f"flx {flx_s[-1]:.3f}s  plain {plain_s[-1]:.3f}s  ratio {flx_s[-1] / plain_s[-1]:.2f}"
+        print(f"  [{w.key}] run {i + 1}/{repeats} ({' then '.join(order)}): {pair}", flush=True)
+        del b, runs
+    return flx_s, plain_s, steps.pop() if len(steps) == 1 else -1

@@ -49,7 +49,6 @@ OPTIONAL = {
     "eval": ("evalcost", "eval_report"),
 }
 SECTIONS = ("rounds", "process", "scaleout", *OPTIONAL)
-DIFF_TOLERANCE = 1e-4  # flx vs plain on the same cohorts and batches: identical maths, fp32 summation order
 
 
 @dataclass
@@ -99,47 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check(w: Workload, accelerator: str, threads: int | None) -> tuple[float, int]:
-    """flx and the plain loop on flx's cohorts and batches: same steps, same final model. Returns (diff, steps)."""
-    b = harness.build_flx(harness.compose(w, w.check_rounds, accelerator, threads))
-    f, p = harness.run_flx(b), harness.run_plain(b, matched=True)
-    if f.steps != p.steps or f.steps == 0:
-        raise AssertionError(f"workload {w.key}: flx made {f.steps} local steps, the plain loop {p.steps}")
-    diff = harness.max_abs_diff(f.params, p.params)
-    if diff > DIFF_TOLERANCE:
-        raise AssertionError(f"workload {w.key}: final models differ by {diff:.3g} (> {DIFF_TOLERANCE})")
-    harness.run_plain(b, matched=False)  # warm-up of the timed plain variant
-    return diff, f.steps
-
-
-def measure(
-    w: Workload, rounds: int, repeats: int, accelerator: str, threads: int | None
-) -> tuple[list[float], list[float], int]:
-    """Alternating timed runs; returns the flx and plain seconds and the (common) step count per run."""
-    cfg = harness.compose(w, rounds, accelerator, threads)
-    flx_s, plain_s, steps = [], [], set()
-    for i in range(repeats):
-        b = harness.build_flx(cfg)
-        order = ("flx", "plain") if i % 2 == 0 else ("plain", "flx")
-        runs = {side: harness.run_flx(b) if side == "flx" else harness.run_plain(b, matched=False) for side in order}
-        if runs["flx"].steps != runs["plain"].steps:
-            raise AssertionError(f"workload {w.key}: flx made {runs['flx'].steps} steps, plain {runs['plain'].steps}")
-        flx_s.append(runs["flx"].seconds)
-        plain_s.append(runs["plain"].seconds)
-        steps.add(runs["flx"].steps)
-        pair = f"flx {flx_s[-1]:.3f}s  plain {plain_s[-1]:.3f}s  ratio {flx_s[-1] / plain_s[-1]:.2f}"
-        print(f"  [{w.key}] run {i + 1}/{repeats} ({' then '.join(order)}): {pair}", flush=True)
-        del b, runs
-    return flx_s, plain_s, steps.pop() if len(steps) == 1 else -1
-
-
 def bench(w: Workload, args: argparse.Namespace) -> Result:
     rounds = args.rounds or (w.quick_rounds if args.quick else w.rounds)
     repeats = args.repeats or (1 if args.quick else w.repeats)
     print(f"workload {w.key}: {w.title}; {rounds} rounds x {repeats} repeats", flush=True)
-    diff, check_steps = check(w, args.accelerator, args.threads)
+    diff, check_steps = harness.check(w, args.accelerator, args.threads)
     print(f"  [{w.key}] check ({w.check_rounds} rounds, {check_steps} steps each side): max|flx - plain| = {diff:.2e}")
-    flx_s, plain_s, steps = measure(w, rounds, repeats, args.accelerator, args.threads)
+    flx_s, plain_s, steps = harness.measure(w, rounds, repeats, args.accelerator, args.threads)
     flx_med, plain_med = statistics.median(flx_s), statistics.median(plain_s)
     ratio = flx_med / plain_med
     paired = statistics.median(f / p for f, p in zip(flx_s, plain_s))

@@ -257,6 +257,8 @@ def _check_algo(cfg: DictConfig) -> None:
         raise bad_value("algo.weighting", cfg.algo.weighting, "allowed: num_samples, uniform")
     if cfg.algo.get("duplicates", "multiplicity") not in DUPLICATES:
         raise bad_value("algo.duplicates", cfg.algo.duplicates, f"allowed: {', '.join(DUPLICATES)}")
+    if not isinstance(cfg.algo.get("vectorize", False), bool):
+        raise bad_value("algo.vectorize", cfg.algo.vectorize, "allowed: true, false")
     if cfg.algo.get("aggregator", "mean") not in AGGREGATORS:
         raise bad_value("algo.aggregator", cfg.algo.aggregator, f"allowed: {', '.join(AGGREGATORS)}")
     if cfg.algo.server.name not in ("sgd", "adam"):

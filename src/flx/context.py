@@ -43,6 +43,8 @@ class FederationConfig:
             mean, FedAvg), ``count_mean`` (per-entry mean over the clients whose ``client.masks`` cover the entry;
             uncovered entries keep ``w^t``), ``admm_sum`` (``sum_i u_i / sum_i p_i``: uploads added unweighted, the
             weights summed apart, the ADMM server step).
+        vectorize: train the rank's clients stacked, with ``torch.func`` (:mod:`flx.vectorized`), instead of one
+            after the other; the same result up to summation order.
     """
 
     rounds: int = 30
@@ -60,6 +62,7 @@ class FederationConfig:
     fault_policy: str = "drop"
     single_row_batch: str = "auto"
     aggregator: str = "mean"
+    vectorize: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flx import autodiff, evaluation
+from flx import autodiff, evaluation, vectorized
 from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
 from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
 from flx.faults import RoundFaults, all_finite, check_global_model, judge
@@ -382,8 +382,11 @@ class Federation:
         _copy(self.other_buffers, self.global_other)
 
     def train_clients(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
-        """Trains ``cids`` (this rank's shard of the round) one after the other (:meth:`train_client`); ``after(cid)``
-        runs after each client (the progress bar's tick)."""
+        """Trains ``cids`` (this rank's shard of the round): one after the other (:meth:`train_client`), or stacked
+        (``algo.vectorize``, :mod:`flx.vectorized`); ``after(cid)`` runs after each client (the progress bar's tick)."""
+        if self.cfg.vectorize:
+            vectorized.train(self, cids, self._finish, after)
+            return
         for cid in cids:
             self.train_client(cid)
             if after is not None:
@@ -399,15 +402,21 @@ class Federation:
             The mean local training loss (detached scalar), or None for a client left out.
         """
         if self.num_samples(cid) < self.min_rows:  # empty, or one row with BatchNorm: nothing to train on
-            self._leave_out(cid, "skipped")
-            return None
+            return self._finish(cid, None, None)
         client = self.make_client(cid)
         self.load_global()
         if not self.net.training:  # evaluation and parts switch the whole net (its root) to eval and back
             self.net.train()
         for part in self._hooked["on_client_start"]:
             part.on_client_start(self, client)
-        loss = self._local_update(client)
+        return self._finish(cid, client, self._local_update(client))
+
+    def _finish(self, cid: int, client: ClientContext | None, loss: Tensor | None) -> Tensor | None:
+        """A client's end, with its local model in the net: ``on_client_end``, the fault checks, the aggregate, the
+        stored state; ``client`` None: skipped for too few rows. Returns ``loss``, or None for a client left out."""
+        if client is None:
+            self._leave_out(cid, "skipped")
+            return None
         # checked before on_client_end, so parts do not record a faulty client's statistics (scores, losses), and
         # after it when parts may have changed the upload
         if not all_finite([*self.local_state, loss]):

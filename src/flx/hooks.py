@@ -49,6 +49,7 @@ from flx.context import ClientContext, FederationConfig, RoundContext
 
 if TYPE_CHECKING:  # for annotations only: the core imports this module, never the reverse at run time
     from flx.federation import Federation
+    from flx.vectorized import Cohort
 
 # the headline of a part that personalises (``personalize``): its clients' mean personalised metric, the task's
 # accuracy or MSE (``{split}/personal_<acc|mse>_mean``)
@@ -67,6 +68,8 @@ HOOKS = (
     "on_local_grad",
     "on_local_step_end",
     "on_client_end",
+    "on_cohort_grad",
+    "on_cohort_step_end",
     "personalize",
 )
 
@@ -80,6 +83,9 @@ class FederatedCallback(Callback):
     """
 
     headline: tuple[str, ...] = ()
+    # algo.vectorize=true: a part that hooks the client path says True and gives its per-step hooks a cohort form
+    # (on_cohort_grad, on_cohort_step_end); flx.vectorized
+    vectorizable: bool = False
 
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         """Before the Trainer starts: raise a ConfigError for data or protocol settings the part cannot use.
@@ -132,6 +138,14 @@ class FederatedCallback(Callback):
 
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
         """Client: local training done; the net holds the local model; ``client.weight`` is the weight."""
+
+    def on_cohort_grad(self, fed: Federation, cohort: Cohort) -> None:
+        """Vectorised clients (``algo.vectorize``), every local step: ``cohort.grads`` hold the stacked gradients of
+        ``cohort.params``; transform them in place (the cohort form of ``on_local_grad``; :mod:`flx.vectorized`)."""
+
+    def on_cohort_step_end(self, fed: Federation, cohort: Cohort) -> None:
+        """Vectorised clients, every local step: after the stacked optimizer step (the cohort form of
+        ``on_local_step_end``)."""
 
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
         """Server, every rank: ``mean`` is the reduced aggregate (params then float buffers); edit in place."""

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from flx import loop
+from flx import loop, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, one_line, validate
 from flx.console import final_line, headline
@@ -160,6 +160,8 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
     if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
         raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
+    if fed.cfg.vectorize:
+        vectorized.check(net, fed_parts)
     return dm, module, build_trainer(cfg, parts)
 
 

@@ -36,6 +36,7 @@ The part keeps :math:`\lambda` and its history in its ``state_dict``; at the end
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from flx.wandb_logging import log_line_series
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, RoundContext
     from flx.federation import Federation
+    from flx.vectorized import Cohort
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
 # registered statistics: the snapshot sum (shaped like fed.local_state) then its weight; DRFA-GA's (N,) full losses
@@ -84,6 +86,7 @@ class LambdaSampling(FederatedCallback):
     """The server's mixing weights ``lambda``: cohort sampling, snapshot model, projected (or prox) dual ascent."""
 
     headline = ("client_acc_worst", "client_mse_worst")  # the worst client: what DRFA optimises
+    vectorizable = True  # algo.vectorize: the snapshot w^(t') is taken from the stacked clients (on_cohort_step_end)
 
     def __init__(self, **params: Any) -> None:
         self.params = p = LambdaParams(**params)
@@ -260,6 +263,14 @@ class LambdaSampling(FederatedCallback):
     def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
         if client.step + 1 == self._snap_step:
             client.extras["snapshot"] = [t.detach().clone() for t in fed.local_state]
+
+    @override
+    @torch.no_grad()
+    def on_cohort_step_end(self, fed: Federation, cohort: Cohort) -> None:
+        if cohort.step + 1 == self._snap_step:  # algo.vectorize: every client's w^(t') at once
+            saved = dataclasses.replace(cohort, params=[w.clone() for w in cohort.params])
+            for i, client in enumerate(cohort.clients):
+                client.extras["snapshot"] = saved.local_state(fed, i)
 
     @override
     @torch.no_grad()

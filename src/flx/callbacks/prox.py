@@ -29,6 +29,7 @@ from flx.hooks import FederatedCallback
 if TYPE_CHECKING:
     from flx.context import ClientContext
     from flx.federation import Federation
+    from flx.vectorized import Cohort
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ProxParams:
 
 class Prox(FederatedCallback):
     """Adds ``mu * (w - w_global)`` to every local gradient. Symbols: ``mu``, ``w^t`` (round's global model)."""
+
+    vectorizable = True  # algo.vectorize: the same term on the stacked gradients (on_cohort_grad)
 
     def __init__(self, mu: float = 0.01) -> None:
         if not mu >= 0:
@@ -53,3 +56,11 @@ class Prox(FederatedCallback):
             return
         grads = [p.grad for p in fed.params]
         torch._foreach_add_(grads, torch._foreach_sub(fed.params, fed.global_params), alpha=self.params.mu)
+
+    @override
+    @torch.no_grad()
+    def on_cohort_grad(self, fed: Federation, cohort: Cohort) -> None:
+        if self.params.mu == 0.0:
+            return
+        for g, w, w_t in zip(cohort.grads, cohort.params, fed.global_params):
+            g.add_(w - w_t, alpha=self.params.mu)  # w: (m, ...), w^t broadcast over the clients

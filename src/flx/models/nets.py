@@ -70,6 +70,8 @@ class LogisticRegression(nn.Module):
         num_classes: number of output logits.
     """
 
+    rowwise = True  # forward chains row-wise layers: algo.vectorize folds the cohort into the batch
+
     def __init__(self, *, input_shape: Sequence[int], num_classes: int) -> None:
         super().__init__()
         self.input_shape = as_shape(input_shape)
@@ -94,6 +96,8 @@ class Linear(nn.Module):
         num_classes: number of outputs ``K`` (regression: one per target column).
         bias: whether the model has the intercept :math:`b`.
     """
+
+    rowwise = True  # forward chains row-wise layers: algo.vectorize folds the cohort into the batch
 
     def __init__(self, *, input_shape: Sequence[int], num_classes: int, bias: bool = True) -> None:
         super().__init__()
@@ -121,6 +125,8 @@ class MLP(nn.Module):
     Attributes:
         feat_dim: width of :meth:`features`: the last hidden width (``prod(input_shape)`` without hidden layers).
     """
+
+    rowwise = True  # forward chains row-wise layers: algo.vectorize folds the cohort into the batch
 
     def __init__(
         self,

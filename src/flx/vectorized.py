@@ -1,0 +1,250 @@
+"""Vectorised client execution (``algo.vectorize=true``): a rank's shard trained at once with ``torch.func``.
+
+The sequential path (:meth:`flx.federation.Federation.train_client`) runs client after client through the one net.
+Here the clients' models are stacked along a leading cohort dimension ``m`` and each local step is one batched
+gradient, ``vmap(grad(loss_fn(functional_call(net, w_i, x_i), y_i)))`` over ``(w_i, x_i, y_i)``, followed by the
+same SGD update as ``torch.optim.SGD`` (weight decay, then momentum, reset for every client), on all ``m`` clients:
+
+.. math::
+    d_i = \\nabla \\ell_i(w_i; \\xi_i^k) + \\lambda w_i,\\quad b_i \\leftarrow \\beta b_i + d_i
+    \\;(b_i = d_i \\text{ at } k = 0),\\quad w_i \\leftarrow w_i - \\eta\\, b_i.
+
+Every client keeps its own ``(seed, round, client)`` streams (seeds, minibatch rows drawn as in the sequential path),
+its own weight and its own fault check, so the result equals the sequential path up to floating-point summation
+order (``tests/test_vectorized.py``: allclose 1e-5 in float64 for FedAvg, FedProx and DRFA). Clients are grouped by
+their minibatch sizes (one group when every client holds at least ``B`` rows; a client with fewer rows, or with a
+short last batch, is a group of its own kind); after the groups have trained, each client's model is loaded into the
+net in shard order for ``on_client_end``, the fault check and the aggregate, exactly as on the sequential path.
+
+What it needs: a net without BatchNorm or dropout (their training-mode state and randomness are per call, not per
+client), and parts that either leave the client path alone or say ``vectorizable = True``: such a part's
+``on_client_start`` / ``on_client_end`` run per client as usual (the net holds the global model at the first, the
+client's model at the second), and it implements ``on_cohort_grad`` / ``on_cohort_step_end`` in place of
+``on_local_grad`` / ``on_local_step_end``. A part that replaces the local update, the minibatches or the local loss
+(``local_update``, ``sample_batch``, ``local_loss``) cannot be vectorised: :func:`check` says which, in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from flx.context import ClientContext
+from flx.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flx.federation import Federation
+    from flx.hooks import FederatedCallback
+
+# per-step client hooks and the cohort hooks that stand for them; the whole-run replacements have none
+COHORT_FORM = {"on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"}
+NOT_VECTORIZABLE = ("local_update", "sample_batch", "local_loss")
+CLIENT_HOOKS = ("on_client_start", "on_client_end", *COHORT_FORM, *NOT_VECTORIZABLE)
+_RANDOM_OR_STATEFUL = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+# layers that map each row on its own: a net of these (and nn.Linear) runs with the cohort folded into the batch
+ROWWISE = (
+    nn.Sequential, nn.Linear, nn.Flatten, nn.Identity, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU,
+    nn.ELU, nn.Softplus, nn.Dropout,
+)  # fmt: skip
+
+
+@dataclass
+class Cohort:
+    """A group of clients trained together; what ``on_cohort_grad`` / ``on_cohort_step_end`` receive.
+
+    Attributes:
+        clients: the clients, in the order of the stacked dimension.
+        params: the clients' current parameters, one ``(m, *p.shape)`` tensor per trainable parameter of the net.
+        grads: at ``on_cohort_grad``, the step's gradients shaped like ``params`` (edit in place); None otherwise.
+        step: the local step ``k`` (0-based).
+        rows: the step's minibatch rows, ``(m, B)``.
+    """
+
+    clients: list[ClientContext]
+    params: list[Tensor]
+    grads: list[Tensor] | None = None
+    step: int = 0
+    rows: Tensor | None = None
+    extras: dict[str, object] = field(default_factory=dict)
+
+    def local_state(self, fed: Federation, i: int) -> list[Tensor]:
+        """Client ``i``'s upload as the sequential path has it in ``fed.local_state``: its parameters (views into
+        :attr:`params`), then the net's float buffers (which no vectorisable net changes in training)."""
+        return [p[i] for p in self.params] + [b.detach() for b in fed.float_buffers]
+
+
+def check(net: nn.Module, parts: Sequence[FederatedCallback]) -> None:
+    """Raises a one-line :class:`ConfigError` when ``algo.vectorize=true`` cannot train this net with these parts."""
+    from flx.hooks import overrides
+
+    layer = next((m for m in net.modules() if isinstance(m, _RANDOM_OR_STATEFUL) and _active(m)), None)
+    if layer is not None:
+        raise ConfigError(
+            f"algo.vectorize=true: the net has {type(layer).__name__} layers (per-call training state or randomness);"
+            " allowed: nets without BatchNorm and dropout, or algo.vectorize=false"
+        )
+    for part in parts:
+        hooked = [h for h in CLIENT_HOOKS if overrides(part, h)]
+        fixed = [h for h in hooked if h in NOT_VECTORIZABLE]
+        missing = [h for h in hooked if h in COHORT_FORM and not overrides(part, COHORT_FORM[h])]
+        if fixed or missing or (hooked and not getattr(part, "vectorizable", False)):
+            why = ", ".join(fixed or missing or hooked)
+            raise ConfigError(
+                f"algo.vectorize=true: part {type(part).__name__} has no vectorised form of its client hooks ({why});"
+                " use algo.vectorize=false"
+            )
+
+
+def _active(module: nn.Module) -> bool:
+    return not isinstance(module, nn.modules.dropout._DropoutNd) or module.p > 0
+
+
+def train(
+    fed: Federation,
+    cids: Sequence[int],
+    finish: Callable[[int, ClientContext | None, Tensor | None], object],
+    after: Callable[[int], None] | None = None,
+) -> None:
+    """Trains ``cids`` (the rank's shard, in order) as stacked cohorts; then, per client in shard order and with the
+    client's model in the net, ``finish(cid, client, loss)`` (``client`` None: skipped for too few rows) and
+    ``after(cid)``."""
+    runs: list[tuple[int, ClientContext | None, list[Tensor]]] = []
+    fed.load_global()
+    if not fed.net.training:
+        fed.net.train()
+    for cid in cids:
+        if fed.num_samples(cid) < fed.min_rows:
+            runs.append((cid, None, []))
+            continue
+        client = fed.make_client(cid)
+        for part in fed.parts_with("on_client_start"):
+            part.on_client_start(fed, client)
+        runs.append((cid, client, list(fed.client_batches(client))))
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, (_, client, rows) in enumerate(runs):
+        if client is not None:
+            groups.setdefault(tuple(len(r) for r in rows), []).append(j)
+    trained: dict[int, tuple[list[Tensor], Tensor]] = {}
+    for members in groups.values():
+        params, losses = _train_group(fed, [runs[j][1] for j in members], [runs[j][2] for j in members])
+        trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
+    for j, (cid, client, _) in enumerate(runs):
+        if client is None:
+            finish(cid, None, None)
+        else:
+            local, loss = trained[j]
+            with torch.no_grad():
+                torch._foreach_copy_(fed.params, local)
+            finish(cid, client, loss)
+        if after is not None:
+            after(cid)
+
+
+def _train_group(fed: Federation, clients: list[ClientContext], batches: list[list[Tensor]]) -> tuple[list, Tensor]:
+    """``K`` local steps of ``m`` clients with equal minibatch sizes; returns their parameters ``(m, ...)`` and mean
+    losses ``(m,)``."""
+    m, cfg = len(clients), fed.cfg
+    params = [g.unsqueeze(0).repeat(m, *([1] * g.dim())).requires_grad_() for g in fed.global_params]
+    forward = _folded(fed, m) if foldable(fed.net) else _vmapped(fed)
+    per_client_loss = torch.func.vmap(fed.loss_fn)
+    cohort, momentum = Cohort(clients, params), None
+    losses = params[0].new_zeros(m, requires_grad=False)
+    steps = len(batches[0])
+    with fed.step_context():
+        for k in range(steps):
+            rows = cohort.rows = torch.stack([b[k] for b in batches])  # (m, B_k)
+            cohort.step = k
+            loss = per_client_loss(forward(params, fed.data.x[rows]), fed.data.y[rows])  # (m,)
+            cohort.grads = list(torch.autograd.grad(loss.sum(), params))  # client i's loss depends on w_i only
+            for part in fed.parts_with("on_cohort_grad"):
+                part.on_cohort_grad(fed, cohort)
+            momentum = _sgd_step(params, cohort.grads, momentum, cfg.lr, cfg.momentum, cfg.weight_decay)
+            cohort.grads = None
+            for part in fed.parts_with("on_cohort_step_end"):
+                part.on_cohort_step_end(fed, cohort)
+            losses += loss.detach().to(losses.dtype)
+    return [p.detach() for p in params], losses / max(steps, 1)
+
+
+def foldable(net: nn.Module) -> bool:
+    """Whether the net maps every input row on its own and holds its parameters in ``nn.Linear`` layers only, so
+    the cohort can be folded into the batch (:func:`_folded`): every module is a row-wise layer
+    (:data:`ROWWISE`) or declares ``rowwise = True`` (its forward only chains its children: flx's MLP and linear
+    models)."""
+    return all(_rowwise(mod) for mod in net.modules()) and all(
+        isinstance(mod, nn.Linear) for mod in net.modules() if any(True for _ in mod.parameters(recurse=False))
+    )
+
+
+def _rowwise(mod: nn.Module) -> bool:
+    if isinstance(mod, nn.Flatten):
+        return mod.start_dim >= 1  # from the batch dimension (or counted from the end: unknown) it mixes clients
+    return isinstance(mod, ROWWISE) or getattr(type(mod), "rowwise", False)
+
+
+def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor], Tensor]:
+    """The cohort folded into the batch: ``x`` ``(m, B, ...)`` runs as ``(m B, ...)`` through the net, each linear
+    layer a batched matrix product of client ``i``'s rows with client ``i``'s weights; returns ``(m, B, ...)``."""
+    names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
+    stacked = _StackedLinear(m)
+
+    def forward(params: list[Tensor], x: Tensor) -> Tensor:
+        with stacked:
+            out = torch.func.functional_call(fed.net, dict(zip(names, params)), (x.flatten(0, 1),))
+        return out.unflatten(0, (m, -1))
+
+    return forward
+
+
+def _vmapped(fed: Federation) -> Callable[[list[Tensor], Tensor], Tensor]:
+    """Any net: the forward ``vmap``-ed over the clients' parameters and inputs."""
+    names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
+
+    def one(params: tuple[Tensor, ...], x: Tensor) -> Tensor:
+        return torch.func.functional_call(fed.net, dict(zip(names, params)), (x,))
+
+    batched = torch.func.vmap(one)
+    return lambda params, x: batched(tuple(params), x)
+
+
+class _StackedLinear(TorchFunctionMode):
+    """``F.linear`` with a weight stacked over ``m`` clients, ``(m, out, in)``, on the rows of ``m`` clients,
+    ``(m B, ..., in)`` in client order: ``baddbmm`` of each client's rows with its own weight and bias."""
+
+    def __init__(self, m: int) -> None:
+        super().__init__()
+        self.m = m
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is F.linear and args[1].dim() == 3:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.reshape(self.m, -1, x.shape[-1])  # (m, B..., in): client-major
+            out = torch.bmm(rows, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), rows, w.mT)
+            return out.reshape(*x.shape[:-1], w.shape[1])
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def _sgd_step(
+    params: list[Tensor], grads: list[Tensor], buf: list[Tensor] | None, lr: float, beta: float, wd: float
+) -> list[Tensor] | None:
+    """``torch.optim.SGD``'s step (dampening 0, no Nesterov) on stacked tensors; returns the momentum buffers."""
+    if wd:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    if beta:
+        if buf is None:
+            buf = [g.clone() for g in grads]
+        else:
+            torch._foreach_mul_(buf, beta)
+            torch._foreach_add_(buf, grads)
+        grads = buf
+    torch._foreach_add_(params, grads, alpha=-lr)
+    return buf
