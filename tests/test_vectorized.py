@@ -152,18 +152,18 @@ def test_what_can_be_vectorised_passes_the_check() -> None:
 
 
 def test_the_loss_function_sees_one_client() -> None:
-    """Under vmap the task's loss gets one client's ``(B, C)`` outputs and ``(B,)`` targets: a batch-mean loss is the
-    client's mean, not the cohort's (checked against F.cross_entropy by the equality tests; here its shapes)."""
+    """The task's loss gets one client's ``(B, C)`` outputs and ``(B,)`` targets, padding left out: a batch-mean
+    loss is the client's mean, not the cohort's (its values: the equality tests; here its shapes)."""
     seen: list[tuple] = []
 
     def loss(out, y):
         seen.append((tuple(out.shape), tuple(y.shape)))
         return F.cross_entropy(out, y)
 
-    data = toy_data([10, 10, 10], dtype=torch.float64)
+    data = toy_data([10, 3, 10], dtype=torch.float64)
     fed = make_fed(_mlp(), data, loss_fn=loss, clients_per_round=3, local_steps=1, batch_size=5, vectorize=True)
     run_rounds(fed, 1)
-    assert seen == [((5, 3), (5,))]
+    assert seen == [((5, 3), (5,)), ((3, 3), (3,)), ((5, 3), (5,))]  # one stack: client 1's 3 rows padded to 5
 
 
 def test_which_nets_fold_the_cohort_into_the_batch() -> None:

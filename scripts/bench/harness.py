@@ -204,7 +204,7 @@ def check(w: Workload, accelerator: str, threads: int | None) -> tuple[float, in
     if diff > DIFF_TOLERANCE:
         raise AssertionError(f"workload {w.key}: final models differ by {diff:.3g} (> {DIFF_TOLERANCE})")
     run_plain(b, matched=False)  # warm-up of the timed plain variant
-    return diff, f.steps
+    return diff, p.steps
 
 
 def measure(

@@ -63,7 +63,8 @@ class Cohort:
         params: the clients' current parameters, one ``(m, *p.shape)`` tensor per trainable parameter of the net.
         grads: at ``on_cohort_grad``, the step's gradients shaped like ``params`` (edit in place); None otherwise.
         step: the local step ``k`` (0-based).
-        rows: the step's minibatch rows, ``(m, B)``.
+        rows: the step's minibatch rows, ``(m, B)``: client ``i``'s are ``rows[i, :sizes[i]]`` (the rest pads).
+        sizes: the clients' minibatch sizes at this step.
     """
 
     clients: list[ClientContext]
@@ -71,7 +72,7 @@ class Cohort:
     grads: list[Tensor] | None = None
     step: int = 0
     rows: Tensor | None = None
-    extras: dict[str, object] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)
 
     def local_state(self, fed: Federation, i: int) -> list[Tensor]:
         """Client ``i``'s upload as the sequential path has it in ``fed.local_state``: its parameters (views into
@@ -126,13 +127,14 @@ def train(
         for part in fed.parts_with("on_client_start"):
             part.on_client_start(fed, client)
         runs.append((cid, client, list(fed.client_batches(client))))
+    folded = foldable(fed.net)
     groups: dict[tuple[int, ...], list[int]] = {}
     for j, (_, client, rows) in enumerate(runs):
-        if client is not None:
-            groups.setdefault(tuple(len(r) for r in rows), []).append(j)
+        if client is not None:  # row-wise nets pad short batches: clients group by their step count alone
+            groups.setdefault((len(rows),) if folded else tuple(len(r) for r in rows), []).append(j)
     trained: dict[int, tuple[list[Tensor], Tensor]] = {}
     for members in groups.values():
-        params, losses = _train_group(fed, [runs[j][1] for j in members], [runs[j][2] for j in members])
+        params, losses = _train_group(fed, [runs[j][1] for j in members], [runs[j][2] for j in members], folded)
         trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
     for j, (cid, client, _) in enumerate(runs):
         if client is None:
@@ -146,21 +148,27 @@ def train(
             after(cid)
 
 
-def _train_group(fed: Federation, clients: list[ClientContext], batches: list[list[Tensor]]) -> tuple[list, Tensor]:
-    """``K`` local steps of ``m`` clients with equal minibatch sizes; returns their parameters ``(m, ...)`` and mean
-    losses ``(m,)``."""
+def _train_group(
+    fed: Federation, clients: list[ClientContext], batches: list[list[Tensor]], folded: bool
+) -> tuple[list[Tensor], Tensor]:
+    """``K`` local steps of ``m`` clients; returns their parameters ``(m, ...)`` and mean losses ``(m,)``.
+
+    A folded (row-wise) net takes each step's batches padded to the longest with copies of a row of the same client:
+    the padding rows pass through the net on their own and stay out of the loss, which is the task's loss of each
+    client's own rows. Otherwise the clients' batches have equal sizes (grouped so by :func:`train`).
+    """
     m, cfg = len(clients), fed.cfg
     params = [g.unsqueeze(0).repeat(m, *([1] * g.dim())).requires_grad_() for g in fed.global_params]
-    forward = _folded(fed, m) if foldable(fed.net) else _vmapped(fed)
-    per_client_loss = torch.func.vmap(fed.loss_fn)
+    forward = _folded(fed, m) if folded else _vmapped(fed)
     cohort, momentum = Cohort(clients, params), None
     losses = params[0].new_zeros(m, requires_grad=False)
     steps = len(batches[0])
     with fed.step_context():
         for k in range(steps):
-            rows = cohort.rows = torch.stack([b[k] for b in batches])  # (m, B_k)
-            cohort.step = k
-            loss = per_client_loss(forward(params, fed.data.x[rows]), fed.data.y[rows])  # (m,)
+            cohort.step, cohort.sizes = k, [len(b[k]) for b in batches]
+            rows = cohort.rows = _padded([b[k] for b in batches], max(cohort.sizes))  # (m, B)
+            out, y = forward(params, fed.data.x[rows]), fed.data.y[rows]
+            loss = torch.stack([fed.loss_fn(out[i, :b], y[i, :b]) for i, b in enumerate(cohort.sizes)])  # (m,)
             cohort.grads = list(torch.autograd.grad(loss.sum(), params))  # client i's loss depends on w_i only
             for part in fed.parts_with("on_cohort_grad"):
                 part.on_cohort_grad(fed, cohort)
@@ -170,6 +178,13 @@ def _train_group(fed: Federation, clients: list[ClientContext], batches: list[li
                 part.on_cohort_step_end(fed, cohort)
             losses += loss.detach().to(losses.dtype)
     return [p.detach() for p in params], losses / max(steps, 1)
+
+
+def _padded(rows: list[Tensor], size: int) -> Tensor:
+    """``(m, size)``: each client's rows, then copies of its first row."""
+    if all(len(r) == size for r in rows):
+        return torch.stack(rows)
+    return torch.stack([r if len(r) == size else torch.cat([r, r[:1].expand(size - len(r))]) for r in rows])
 
 
 def foldable(net: nn.Module) -> bool:
