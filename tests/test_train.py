@@ -460,6 +460,22 @@ def test_drfa_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert a["callbacks"][key]["history"] == c["callbacks"][key]["history"] and len(a["callbacks"][key]["history"]) == 4
 
 
+def test_vectorized_drfa_through_the_trainer_equals_the_sequential_run(tmp_path: Path) -> None:
+    """``algo.vectorize=true`` end to end (Lightning's loop, the console, checkpoints): DRFA with FedProx's term, the
+    model and lambda equal the sequential run's up to fp32 summation order (fp64: tests/test_vectorized.py)."""
+    drfa = [o.replace("num_clients=2", "num_clients=6") for o in DRFA]
+    base = [*drfa, "logger=none", "algo.rounds=4", "+algo.parts.prox._target_=flx.callbacks.prox.Prox"]
+    train(compose(tmp_path / "seq", *base))
+    train(compose(tmp_path / "vec", *base, "algo.vectorize=true"))
+    seq, vec = _final(tmp_path / "seq"), _final(tmp_path / "vec")
+    for k in seq["state_dict"]:
+        torch.testing.assert_close(vec["state_dict"][k], seq["state_dict"][k], rtol=0, atol=1e-5)
+    (key,) = [k for k in seq["callbacks"] if "LambdaSampling" in k]
+    torch.testing.assert_close(vec["callbacks"][key]["lam"], seq["callbacks"][key]["lam"], rtol=0, atol=1e-6)
+    lam = seq["callbacks"][key]["lam"]
+    assert len(lam) == 6 and not torch.allclose(lam, torch.full_like(lam, 1 / 6))
+
+
 def test_drfa_one_process_equals_two_processes(tmp_path: Path) -> None:
     """DRFA on 2 CPU processes: the snapshot sum rides in the round's all-reduce and every rank evaluates v, so lambda
     and the model equal the 1-process run, including rounds whose cohort (drawn with replacement) holds one distinct
