@@ -119,9 +119,9 @@ CASES = [
         slow=True,
     ),
     Case(
-        "vectorize-fedxl",
-        ("algo=fedxl1", "data=digits_binary", "partition=stratified", "algo.vectorize=true"),
-        ("algo.vectorize=true", "PassiveBuffer", "local_loss"),
+        "vectorize-pfedme",
+        ("algo=pfedme", "algo.vectorize=true"),
+        ("algo.vectorize=true", "PFedMe", "local_update"),
         slow=True,
     ),
     Case("aggregator-unknown", ("algo.aggregator=median",), ("algo.aggregator=", "median", "count_mean, admm_sum")),

@@ -123,6 +123,13 @@ class _LocalLoss(FederatedCallback):
         return loss
 
 
+class _Replaces(FederatedCallback):
+    vectorizable = True
+
+    def local_update(self, fed, client):
+        return None
+
+
 class _Grad(FederatedCallback):
     vectorizable = True
 
@@ -139,6 +146,7 @@ class _ClientEnd(FederatedCallback):
         (nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4)), [], "BatchNorm1d layers"),
         (_mlp(dropout=0.2), [], "Dropout layers"),
         (_mlp(), [_LocalLoss()], "part _LocalLoss has no vectorised form of its client hooks (local_loss)"),
+        (_mlp(), [_Replaces()], "(local_update)"),
         (_mlp(), [_Grad()], "(on_local_grad)"),
         (_mlp(), [_ClientEnd()], "(on_client_end)"),  # not declared vectorizable
     ],
@@ -186,7 +194,47 @@ def test_the_folded_forward_equals_each_clients_own_forward() -> None:
     params = [p.detach().unsqueeze(0) + torch.randn(m, *p.shape, dtype=p.dtype) for p in net.parameters()]
     x = torch.randn(m, 5, 7, 4, dtype=torch.float64)
     fed = make_fed(net, toy_data([4], dim=4, dtype=torch.float64))
-    out = vectorized._folded(fed, m)(params, x)
+    out = vectorized._folded(fed, m)(params, x, [5] * m)
     for i in range(m):
         own = torch.func.functional_call(net, {n: p[i] for n, p in zip(names, params)}, (x[i],))
         torch.testing.assert_close(out[i], own, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"compositional": False, "beta": 1.0},  # FeDXL1
+        {},  # FeDXL2: u tables in the client store, momentum with the server mean
+        {"momentum_sync": "client", "replacement": True, "depth": 2},  # momentum kept per client, draws with repl.
+        {"pairs": "local", "momentum_sync": "client"},  # the Local Pair baseline
+    ],
+    ids=["fedxl1", "fedxl2", "fedxl2_client_momentum_replacement", "local_pairs"],
+)
+def test_fedxl_equals_the_sequential_path(params: dict) -> None:
+    """FeDXL's clients stacked: ``sample_batch`` and ``local_loss`` per client inside the stacked step, each client
+    drawing from its own generator in the sequential order, the momentum on the stacked gradients. The model, the
+    merged score pools and the clients' stored ``u`` / ``m`` equal the sequential run's."""
+    from helpers import binary_store
+
+    from flx.callbacks.passive_buffer import PassiveBuffer
+
+    data = binary_store([5, 7, 4, 6, 9], [8, 6, 9, 5, 7], dim=5, shift=0.7)
+    kw = dict(clients_per_round=4, local_steps=3, lr=0.2, weighting="uniform", seed=2)
+    part = dict(b1=3, b2=4, gamma=0.3, beta=0.5) | params
+    torch.manual_seed(0)
+    feds = [
+        make_fed(nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double(), data, [PassiveBuffer(**part)],
+                 vectorize=v, **kw)
+        for v in (False, True)
+    ]  # fmt: skip
+    feds[1].net.load_state_dict(feds[0].net.state_dict())
+    for fed in feds:
+        run_rounds(fed, 3)
+    seq, vec = feds
+    _assert_same(seq, vec)
+    for a, b in zip(seq.parts[0].pools, vec.parts[0].pools):
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-10) for k in a)
+    assert sorted(seq.store.state_dict()["clients"]) == sorted(vec.store.state_dict()["clients"])
+    for cid, state in seq.store.state_dict()["clients"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(vec.store.state_dict()["clients"][cid][key], value, rtol=0, atol=1e-10)

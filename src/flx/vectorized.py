@@ -1,9 +1,10 @@
 """Vectorised client execution (``algo.vectorize=true``): a rank's shard trained at once with ``torch.func``.
 
 The sequential path (:meth:`flx.federation.Federation.train_client`) runs client after client through the one net.
-Here the clients' models are stacked along a leading cohort dimension ``m`` and each local step is one batched
-gradient, ``vmap(grad(loss_fn(functional_call(net, w_i, x_i), y_i)))`` over ``(w_i, x_i, y_i)``, followed by the
-same SGD update as ``torch.optim.SGD`` (weight decay, then momentum, reset for every client), on all ``m`` clients:
+Here the clients' models are stacked along a leading cohort dimension ``m``, and each local step is one stacked
+forward, every client's own loss, one ``torch.autograd.grad`` of their sum (client ``i``'s loss depends on ``w_i``
+only, so it gives every client's gradient) and the same update as ``torch.optim.SGD`` (weight decay, then momentum,
+reset for every client) on all ``m`` clients:
 
 .. math::
     d_i = \\nabla \\ell_i(w_i; \\xi_i^k) + \\lambda w_i,\\quad b_i \\leftarrow \\beta b_i + d_i
@@ -11,22 +12,26 @@ same SGD update as ``torch.optim.SGD`` (weight decay, then momentum, reset for e
 
 Every client keeps its own ``(seed, round, client)`` streams (seeds, minibatch rows drawn as in the sequential path),
 its own weight and its own fault check, so the result equals the sequential path up to floating-point summation
-order (``tests/test_vectorized.py``: allclose 1e-5 in float64 for FedAvg, FedProx and DRFA). Clients are grouped by
-their minibatch sizes (one group when every client holds at least ``B`` rows; a client with fewer rows, or with a
-short last batch, is a group of its own kind); after the groups have trained, each client's model is loaded into the
-net in shard order for ``on_client_end``, the fault check and the aggregate, exactly as on the sequential path.
+order (``tests/test_vectorized.py``: allclose 1e-10 in float64 for FedAvg, FedProx, DRFA and FeDXL). Clients with the
+same step count train as one stack. A net that maps rows on their own (:func:`foldable`) runs with the cohort folded
+into the batch, short batches padded with the client's own rows (kept out of its loss); any other net ``vmap``-s its
+forward over the clients (``torch.func.functional_call``), in sub-stacks of equal batch size. After the stacks have
+trained, each client's model is loaded into the net in shard order for ``on_client_end``, the fault check and the
+aggregate, exactly as on the sequential path.
 
 What it needs: a net without BatchNorm or dropout (their training-mode state and randomness are per call, not per
-client), and parts that either leave the client path alone or say ``vectorizable = True``: such a part's
+client), and parts that either leave the client path alone or say ``vectorizable = True``. Such a part's
 ``on_client_start`` / ``on_client_end`` run per client as usual (the net holds the global model at the first, the
-client's model at the second), and it implements ``on_cohort_grad`` / ``on_cohort_step_end`` in place of
-``on_local_grad`` / ``on_local_step_end``. A part that replaces the local update, the minibatches or the local loss
-(``local_update``, ``sample_batch``, ``local_loss``) cannot be vectorised: :func:`check` says which, in one line.
+client's model at the second); its ``sample_batch`` and ``local_loss`` run per client inside each stacked step, with
+``client.step``, ``client.rows``, ``client.batch`` and ``client.outputs`` set as on the sequential path and
+``client.generator`` the client's own (a copy of the federation's, which is reseeded per client); and it implements
+``on_cohort_grad`` / ``on_cohort_step_end`` in place of ``on_local_grad`` / ``on_local_step_end``. A part that
+replaces the whole local update (``local_update``) cannot be vectorised: :func:`check` says which, in one line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,8 +49,8 @@ if TYPE_CHECKING:
 
 # per-step client hooks and the cohort hooks that stand for them; the whole-run replacements have none
 COHORT_FORM = {"on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"}
-NOT_VECTORIZABLE = ("local_update", "sample_batch", "local_loss")
-CLIENT_HOOKS = ("on_client_start", "on_client_end", *COHORT_FORM, *NOT_VECTORIZABLE)
+NOT_VECTORIZABLE = ("local_update",)
+CLIENT_HOOKS = ("on_client_start", "on_client_end", "sample_batch", "local_loss", *COHORT_FORM, *NOT_VECTORIZABLE)
 _RANDOM_OR_STATEFUL = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 # layers that map each row on its own: a net of these (and nn.Linear) runs with the cohort folded into the batch
 ROWWISE = (
@@ -115,28 +120,29 @@ def train(
     """Trains ``cids`` (the rank's shard, in order) as stacked cohorts; then, per client in shard order and with the
     client's model in the net, ``finish(cid, client, loss)`` (``client`` None: skipped for too few rows) and
     ``after(cid)``."""
-    runs: list[tuple[int, ClientContext | None, list[Tensor]]] = []
+    runs: list[tuple[int, ClientContext | None]] = []
     fed.load_global()
     if not fed.net.training:
         fed.net.train()
     for cid in cids:
         if fed.num_samples(cid) < fed.min_rows:
-            runs.append((cid, None, []))
+            runs.append((cid, None))
             continue
         client = fed.make_client(cid)
+        # the federation reseeds one generator per client; stacked clients draw all along, each from its own copy
+        client.generator = _copy_of(client.generator)
         for part in fed.parts_with("on_client_start"):
             part.on_client_start(fed, client)
-        runs.append((cid, client, list(fed.client_batches(client))))
-    folded = foldable(fed.net)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for j, (_, client, rows) in enumerate(runs):
-        if client is not None:  # row-wise nets pad short batches: clients group by their step count alone
-            groups.setdefault((len(rows),) if folded else tuple(len(r) for r in rows), []).append(j)
+        runs.append((cid, client))
+    groups: dict[int, list[int]] = {}
+    for j, (_, client) in enumerate(runs):
+        if client is not None:
+            groups.setdefault(client.num_steps, []).append(j)
     trained: dict[int, tuple[list[Tensor], Tensor]] = {}
     for members in groups.values():
-        params, losses = _train_group(fed, [runs[j][1] for j in members], [runs[j][2] for j in members], folded)
+        params, losses = _train_group(fed, [runs[j][1] for j in members])
         trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
-    for j, (cid, client, _) in enumerate(runs):
+    for j, (cid, client) in enumerate(runs):
         if client is None:
             finish(cid, None, None)
         else:
@@ -148,27 +154,37 @@ def train(
             after(cid)
 
 
-def _train_group(
-    fed: Federation, clients: list[ClientContext], batches: list[list[Tensor]], folded: bool
-) -> tuple[list[Tensor], Tensor]:
-    """``K`` local steps of ``m`` clients; returns their parameters ``(m, ...)`` and mean losses ``(m,)``.
+def _copy_of(gen: torch.Generator) -> torch.Generator:
+    own = torch.Generator(gen.device)
+    own.set_state(gen.get_state())
+    return own
 
-    A folded (row-wise) net takes each step's batches padded to the longest with copies of a row of the same client:
-    the padding rows pass through the net on their own and stay out of the loss, which is the task's loss of each
-    client's own rows. Otherwise the clients' batches have equal sizes (grouped so by :func:`train`).
+
+def _train_group(fed: Federation, clients: list[ClientContext]) -> tuple[list[Tensor], Tensor]:
+    """``K`` local steps of ``m`` clients with the same step count; returns their parameters ``(m, ...)`` and mean
+    losses ``(m,)``.
+
+    Each step draws every client's rows as the sequential path does (a part's ``sample_batch``, else the client's
+    default stream, from the client's own generator), runs the stacked forward, then each client's loss on its own
+    rows: the task's loss and the parts' ``local_loss`` with ``client.rows``, ``client.batch``, ``client.outputs`` and
+    ``client.step`` set as in the sequential step.
     """
     m, cfg = len(clients), fed.cfg
     params = [g.unsqueeze(0).repeat(m, *([1] * g.dim())).requires_grad_() for g in fed.global_params]
-    forward = _folded(fed, m) if folded else _vmapped(fed)
+    forward = _folded(fed, m) if foldable(fed.net) else _vmapped(fed)
     cohort, momentum = Cohort(clients, params), None
+    streams = [fed.client_batches(client) for client in clients]
     losses = params[0].new_zeros(m, requires_grad=False)
-    steps = len(batches[0])
+    steps = clients[0].num_steps
     with fed.step_context():
         for k in range(steps):
-            cohort.step, cohort.sizes = k, [len(b[k]) for b in batches]
-            rows = cohort.rows = _padded([b[k] for b in batches], max(cohort.sizes))  # (m, B)
-            out, y = forward(params, fed.data.x[rows]), fed.data.y[rows]
-            loss = torch.stack([fed.loss_fn(out[i, :b], y[i, :b]) for i, b in enumerate(cohort.sizes)])  # (m,)
+            own = [_rows(fed, client, k, stream) for client, stream in zip(clients, streams)]
+            cohort.step, cohort.sizes = k, [len(r) for r in own]
+            rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
+            out = forward(params, fed.data.x[rows], cohort.sizes)
+            loss = torch.stack(
+                [_client_loss(fed, c, r, out[i][: len(r)]) for i, (c, r) in enumerate(zip(clients, own))]
+            )
             cohort.grads = list(torch.autograd.grad(loss.sum(), params))  # client i's loss depends on w_i only
             for part in fed.parts_with("on_cohort_grad"):
                 part.on_cohort_grad(fed, cohort)
@@ -177,7 +193,28 @@ def _train_group(
             for part in fed.parts_with("on_cohort_step_end"):
                 part.on_cohort_step_end(fed, cohort)
             losses += loss.detach().to(losses.dtype)
+    for client in clients:
+        client.rows = client.batch = client.outputs = None
     return [p.detach() for p in params], losses / max(steps, 1)
+
+
+def _rows(fed: Federation, client: ClientContext, k: int, stream: Iterator[Tensor]) -> Tensor:
+    """Client ``client``'s rows at step ``k``: the first part's ``sample_batch``, else its default stream's next."""
+    client.step = k
+    for part in fed.parts_with("sample_batch"):
+        rows = part.sample_batch(fed, client)
+        if rows is not None:
+            return rows
+    return next(stream)  # the default stream advances only when used, as on the sequential path
+
+
+def _client_loss(fed: Federation, client: ClientContext, rows: Tensor, outputs: Tensor) -> Tensor:
+    """One client's local objective at this step: the task's loss of its rows, then the parts' ``local_loss``."""
+    client.rows, client.batch, client.outputs = rows, fed.batch(rows), outputs
+    loss = fed.loss_fn(outputs, client.batch[1])
+    for part in fed.parts_with("local_loss"):
+        loss = part.local_loss(fed, client, loss)
+    return loss
 
 
 def _padded(rows: list[Tensor], size: int) -> Tensor:
@@ -203,13 +240,14 @@ def _rowwise(mod: nn.Module) -> bool:
     return isinstance(mod, ROWWISE) or getattr(type(mod), "rowwise", False)
 
 
-def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor], Tensor]:
+def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
     """The cohort folded into the batch: ``x`` ``(m, B, ...)`` runs as ``(m B, ...)`` through the net, each linear
-    layer a batched matrix product of client ``i``'s rows with client ``i``'s weights; returns ``(m, B, ...)``."""
+    layer a batched matrix product of client ``i``'s rows with client ``i``'s weights; returns ``(m, B, ...)``. Rows
+    are mapped on their own, so padding rows change nothing."""
     names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
     stacked = _StackedLinear(m)
 
-    def forward(params: list[Tensor], x: Tensor) -> Tensor:
+    def forward(params: list[Tensor], x: Tensor, sizes: list[int]) -> Tensor:
         with stacked:
             out = torch.func.functional_call(fed.net, dict(zip(names, params)), (x.flatten(0, 1),))
         return out.unflatten(0, (m, -1))
@@ -217,15 +255,29 @@ def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor], Tensor]
     return forward
 
 
-def _vmapped(fed: Federation) -> Callable[[list[Tensor], Tensor], Tensor]:
-    """Any net: the forward ``vmap``-ed over the clients' parameters and inputs."""
+def _vmapped(fed: Federation) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
+    """Any net: the forward ``vmap``-ed over the clients' parameters and rows; clients whose batches are shorter than
+    the step's longest run as sub-stacks of their own size (the net may mix rows: no padding goes through it).
+    Returns ``(m, B, ...)``, or with unequal sizes a list of the clients' ``(B_i, ...)`` outputs."""
     names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
 
     def one(params: tuple[Tensor, ...], x: Tensor) -> Tensor:
         return torch.func.functional_call(fed.net, dict(zip(names, params)), (x,))
 
     batched = torch.func.vmap(one)
-    return lambda params, x: batched(tuple(params), x)
+
+    def forward(params: list[Tensor], x: Tensor, sizes: list[int]) -> Tensor | list[Tensor]:
+        if len(set(sizes)) == 1:
+            return batched(tuple(params), x)
+        outs: list[Tensor] = [x] * len(sizes)
+        for size in set(sizes):
+            members = [i for i, s in enumerate(sizes) if s == size]
+            idx = torch.tensor(members, device=x.device)
+            for i, y in zip(members, batched(tuple(p[idx] for p in params), x[idx, :size])):
+                outs[i] = y
+        return outs
+
+    return forward
 
 
 class _StackedLinear(TorchFunctionMode):

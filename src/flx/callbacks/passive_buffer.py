@@ -58,6 +58,7 @@ from flx.models import heads
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, RoundContext
     from flx.federation import Federation
+    from flx.vectorized import Cohort
 
 LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
 CHOICES = {
@@ -102,6 +103,9 @@ class PassiveBuffer(FederatedCallback):
     """
 
     headline = ("auroc", "pauc_0.3", "pauc_0.5")  # the paper's Tables 2-3
+    # algo.vectorize: sample_batch and local_loss run per client inside the stacked step (each client draws from its
+    # own generator, in the sequential order), the momentum per client on the stacked gradients (on_cohort_grad)
+    vectorizable = True
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
@@ -337,6 +341,18 @@ class PassiveBuffer(FederatedCallback):
         torch._foreach_mul_(m, 1 - self.params.beta)
         torch._foreach_add_(m, grads, alpha=self.params.beta)  # m = (1-beta) m + beta g
         torch._foreach_copy_(grads, m)  # the SGD step then moves w by -eta m
+
+    @override
+    @torch.no_grad()
+    def on_cohort_grad(self, fed: Federation, cohort: Cohort) -> None:
+        if self.params.beta == 1.0:
+            return
+        for i, client in enumerate(cohort.clients):  # each client's m, on its slice of the stacked gradients
+            grads = [g[i] for g in cohort.grads]
+            m = flat_views(client.extras["fedxl"]["m"], grads)
+            torch._foreach_mul_(m, 1 - self.params.beta)
+            torch._foreach_add_(m, grads, alpha=self.params.beta)
+            torch._foreach_copy_(grads, m)
 
     @override
     @torch.no_grad()
