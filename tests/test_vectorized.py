@@ -194,7 +194,8 @@ def test_the_folded_forward_equals_each_clients_own_forward() -> None:
     params = [p.detach().unsqueeze(0) + torch.randn(m, *p.shape, dtype=p.dtype) for p in net.parameters()]
     x = torch.randn(m, 5, 7, 4, dtype=torch.float64)
     fed = make_fed(net, toy_data([4], dim=4, dtype=torch.float64))
-    out = vectorized._folded(fed, m)(params, x, [5] * m)
+    stored = [p.mT.contiguous() if p.dim() == 3 else p for p in params]  # weights stored (m, in, out)
+    out = vectorized._folded(fed, m)(stored, x, [5] * m)
     for i in range(m):
         own = torch.func.functional_call(net, {n: p[i] for n, p in zip(names, params)}, (x[i],))
         torch.testing.assert_close(out[i], own, rtol=0, atol=1e-12)

@@ -170,8 +170,13 @@ def _train_group(fed: Federation, clients: list[ClientContext]) -> tuple[list[Te
     ``client.step`` set as in the sequential step.
     """
     m, cfg = len(clients), fed.cfg
-    params = [g.unsqueeze(0).repeat(m, *([1] * g.dim())).requires_grad_() for g in fed.global_params]
-    forward = _folded(fed, m) if foldable(fed.net) else _vmapped(fed)
+    folded = foldable(fed.net)
+    # a folded net's weights are stored transposed, (m, in, out): the gradient of baddbmm(x, W^T) then comes out in
+    # the storage's own layout, and the SGD step adds contiguous tensors (~3x faster than through the transpose)
+    flip = [folded and g.dim() == 2 for g in fed.global_params]
+    leaves = [_stack(g.t().contiguous() if f else g, m).requires_grad_() for g, f in zip(fed.global_params, flip)]
+    params = [w.mT if f else w for w, f in zip(leaves, flip)]  # (m, *p.shape): views of the leaves
+    forward = _folded(fed, m) if folded else _vmapped(fed)
     cohort, momentum = Cohort(clients, params), None
     streams = [fed.client_batches(client) for client in clients]
     losses = params[0].new_zeros(m, requires_grad=False)
@@ -181,14 +186,15 @@ def _train_group(fed: Federation, clients: list[ClientContext]) -> tuple[list[Te
             own = [_rows(fed, client, k, stream) for client, stream in zip(clients, streams)]
             cohort.step, cohort.sizes = k, [len(r) for r in own]
             rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
-            out = forward(params, fed.data.x[rows], cohort.sizes)
+            out = forward(leaves, fed.data.x[rows], cohort.sizes)
             loss = torch.stack(
                 [_client_loss(fed, c, r, out[i][: len(r)]) for i, (c, r) in enumerate(zip(clients, own))]
             )
-            cohort.grads = list(torch.autograd.grad(loss.sum(), params))  # client i's loss depends on w_i only
+            grads = torch.autograd.grad(loss.sum(), leaves)  # client i's loss depends on w_i only
+            cohort.grads = [g.mT if f else g for g, f in zip(grads, flip)]  # views: hooks edit the leaves' grads
             for part in fed.parts_with("on_cohort_grad"):
                 part.on_cohort_grad(fed, cohort)
-            momentum = _sgd_step(params, cohort.grads, momentum, cfg.lr, cfg.momentum, cfg.weight_decay)
+            momentum = _sgd_step(leaves, list(grads), momentum, cfg.lr, cfg.momentum, cfg.weight_decay)
             cohort.grads = None
             for part in fed.parts_with("on_cohort_step_end"):
                 part.on_cohort_step_end(fed, cohort)
@@ -196,6 +202,13 @@ def _train_group(fed: Federation, clients: list[ClientContext]) -> tuple[list[Te
     for client in clients:
         client.rows = client.batch = client.outputs = None
     return [p.detach() for p in params], losses / max(steps, 1)
+
+
+def _stack(w: Tensor, m: int) -> Tensor:
+    """``m`` contiguous copies of ``w``, ``(m, *w.shape)``."""
+    out = w.new_empty(m, *w.shape)
+    out.copy_(w.unsqueeze(0).expand_as(out))
+    return out
 
 
 def _rows(fed: Federation, client: ClientContext, k: int, stream: Iterator[Tensor]) -> Tensor:
@@ -242,8 +255,8 @@ def _rowwise(mod: nn.Module) -> bool:
 
 def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
     """The cohort folded into the batch: ``x`` ``(m, B, ...)`` runs as ``(m B, ...)`` through the net, each linear
-    layer a batched matrix product of client ``i``'s rows with client ``i``'s weights; returns ``(m, B, ...)``. Rows
-    are mapped on their own, so padding rows change nothing."""
+    layer a batched matrix product of client ``i``'s rows with client ``i``'s weights, given transposed,
+    ``(m, in, out)``; returns ``(m, B, ...)``. Rows are mapped on their own, so padding rows change nothing."""
     names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
     stacked = _StackedLinear(m)
 
@@ -281,8 +294,9 @@ def _vmapped(fed: Federation) -> Callable[[list[Tensor], Tensor, list[int]], Ten
 
 
 class _StackedLinear(TorchFunctionMode):
-    """``F.linear`` with a weight stacked over ``m`` clients, ``(m, out, in)``, on the rows of ``m`` clients,
-    ``(m B, ..., in)`` in client order: ``baddbmm`` of each client's rows with its own weight and bias."""
+    """``F.linear`` with a weight stacked over ``m`` clients and stored transposed, ``(m, in, out)``, on the rows of
+    ``m`` clients, ``(m B, ..., in)`` in client order: ``baddbmm`` of each client's rows with its own weight and
+    bias."""
 
     def __init__(self, m: int) -> None:
         super().__init__()
@@ -294,8 +308,8 @@ class _StackedLinear(TorchFunctionMode):
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.reshape(self.m, -1, x.shape[-1])  # (m, B..., in): client-major
-            out = torch.bmm(rows, w.transpose(1, 2)) if b is None else torch.baddbmm(b.unsqueeze(1), rows, w.mT)
-            return out.reshape(*x.shape[:-1], w.shape[1])
+            out = torch.bmm(rows, w) if b is None else torch.baddbmm(b.unsqueeze(1), rows, w)
+            return out.reshape(*x.shape[:-1], w.shape[2])
         return func(*args, **kwargs)
 
 
