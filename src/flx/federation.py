@@ -432,7 +432,8 @@ class Federation:
         self.counters[i : i + 3] += torch.stack([loss.new_ones(()), loss, loss.new_ones(())]).to(self.counters)
         if client.state:
             self.store.put(cid, client.state)
-            self._state_updates[cid] = client.state
+            if self.world_size > 1:  # for the all-gather at the round end (one process holds no second copy)
+                self._state_updates[cid] = client.state
             self.counters[COUNTERS.index("stored")] += 1
         return loss
 
