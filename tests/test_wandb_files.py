@@ -45,3 +45,24 @@ def test_a_corrupt_chunk_or_a_foreign_file_raises() -> None:
         list(read_chunks(bytes(data)))
     with pytest.raises(ValueError, match="W&B"):
         list(read_chunks(b"PK\3\4" + bytes(20)))
+
+
+def test_finish_waits_for_the_exit_record(tmp_path) -> None:
+    """``WandbLogger.finish`` returns once the run file holds its exit record (wandb's service may still be writing
+    it when ``finish`` returns); a file that never gets one is reported after the timeout."""
+    from wandb.proto import wandb_internal_pb2
+
+    from flx.wandb_logging import wait_for_exit_record
+
+    def record(kind: str) -> bytes:
+        r = wandb_internal_pb2.Record()
+        getattr(r, kind).SetInParent()
+        return r.SerializeToString()
+
+    path = tmp_path / "run-x.wandb"
+    path.write_bytes(write_log([record("run"), record("history")]))
+    with pytest.warns(UserWarning, match="no exit record"):
+        assert not wait_for_exit_record(str(path), timeout_s=0.2)
+    path.write_bytes(write_log([record("run"), record("history"), record("exit")]))
+    assert wait_for_exit_record(str(path), timeout_s=0.2)
+    assert not wait_for_exit_record(None)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import time
+import warnings
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -29,6 +31,8 @@ from lightning.pytorch.loggers import WandbLogger as _LightningWandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
+
+from flx.wandb_files import read_records
 
 ROUND = "fl/round"  # the x-axis of every W&B chart: rounds completed (1-based)
 
@@ -69,8 +73,33 @@ class WandbLogger(_LightningWandbLogger):
         """Finishes the run (its offline files are then complete); a later log starts a new one. Only on the rank
         that holds a run."""
         if self._experiment is not None and hasattr(self._experiment, "finish"):
+            settings = getattr(self._experiment, "settings", None)
             self._experiment.finish(exit_code=exit_code)
+            wait_for_exit_record(getattr(settings, "sync_file", None))
         self._experiment, self._described = None, False
+
+
+def wait_for_exit_record(path: str | None, timeout_s: float = 30.0) -> bool:
+    """Waits until the run file ``path`` holds its exit record: wandb's service process (wandb-core, 0.31) may
+    still be writing it when ``finish`` returns, and ``train.py`` ends without waiting for other processes. True
+    when the record is there; False (with a warning) after ``timeout_s``, or for a run without a local file."""
+    if not path:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = read_records(path)
+        except (OSError, ValueError):  # not there yet, or a chunk still being written
+            records = []
+        if any(record.WhichOneof("record_type") == "exit" for record in records):
+            return True
+        if time.monotonic() > deadline:
+            warnings.warn(
+                f"W&B: {path} has no exit record {timeout_s:.0f} s after finish; the run may be incomplete",
+                stacklevel=2,
+            )
+            return False
+        time.sleep(0.05)
 
 
 def wandb_loggers(trainer: pl.Trainer) -> list[_LightningWandbLogger]:
