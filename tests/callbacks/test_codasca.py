@@ -110,7 +110,9 @@ def test_rounds_match_the_written_out_algorithm() -> None:
 
 
 def test_with_one_client_the_control_variates_cancel() -> None:
-    """N = 1: c = c_1 after every round, so CODASCA is exactly CODA+ (control=none), bit for bit."""
+    """N = 1: c = c_1 after every round, so CODASCA is CODA+ (control=none). To rounding, not bit for bit: the server
+    forms c + (c_1^new - c_1), which equals c_1^new exactly only for some values (it passed bitwise on one CPU and
+    failed on an AVX-512 one, whose gradients differ in the last bits)."""
     data = _data([5], [9])
     nets = []
     for control in ("grad_mean", "none"):
@@ -127,7 +129,7 @@ def test_with_one_client_the_control_variates_cancel() -> None:
         )
         run_rounds(fed, 4)
     for p, q in zip(nets[0].parameters(), nets[1].parameters()):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
 
 
 def test_server_control_variate_is_the_mean_of_the_clients() -> None:
