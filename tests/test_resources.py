@@ -73,7 +73,7 @@ def test_server_rows_index_the_store_the_clients_index_without_a_copy() -> None:
     assert dm.clients.x is dm.data.x_train and dm.clients.y is dm.data.y_train
     n = dm.data.num_client_rows
     assert torch.equal(dm.server_rows, torch.arange(n, len(dm.data.y_train)))  # the tail of the store
-    assert int(torch.cat(dm.client_train).max()) < n
+    assert int(torch.cat(list(dm.client_train)).max()) < n
 
 
 def test_every_training_row_is_in_exactly_one_of_clients_server_and_validation() -> None:

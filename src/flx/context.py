@@ -6,6 +6,7 @@ import the other to name them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,12 +105,13 @@ class ClientContext:
 
 
 class ClientData:
-    """What the federation needs from the data: one tensor store and per-client index views; the first
-    ``num_train_clients`` clients train, the others are evaluation-only; ``client_support``: each client's support rows
-    (few-shot tasks) or ``None`` (``flx.datamodules.datamodule.ClientStore``)."""
+    """What the federation needs from the data: one tensor store and per-client index views (a sequence of int64
+    tensors: a list, or the datamodule's :class:`~flx.datamodules.ragged.Ragged`, which makes a view when asked for);
+    the first ``num_train_clients`` clients train, the others are evaluation-only; ``client_support``: each client's
+    support rows (few-shot tasks) or ``None`` (``flx.datamodules.datamodule.ClientStore``)."""
 
     x: Tensor
     y: Tensor
-    client_indices: list[Tensor]
+    client_indices: Sequence[Tensor]
     num_train_clients: int
-    client_support: list[Tensor] | None
+    client_support: Sequence[Tensor] | None

@@ -152,7 +152,9 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed_cfg = federation_config(cfg, dm.clients.num_train_clients)
     fed = Federation(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
-    module = FederatedModule(net, fed, dm.data.num_classes, dm.num_clients, fingerprint=fingerprint(cfg), task=task)
+    module = FederatedModule(
+        net, fed, dm.data.num_classes, dm.metric_clients(), fingerprint=fingerprint(cfg), task=task
+    )
     parts = _instantiate_group(cfg.algo.get("parts"))
     for part in parts:
         if isinstance(part, FederatedCallback):

@@ -183,7 +183,7 @@ def test_by_group_gives_each_group_contiguous_chunks(tmp_path: Path, split_by: s
     dm.setup("fit")
     groups = sex if split_by == "sex" else race
     assert dm.num_clients == 10 and not dm.has_client_rows("test")
-    everything = torch.cat(dm.client_train).sort().values
+    everything = torch.cat(list(dm.client_train)).sort().values
     assert torch.equal(everything, torch.arange(83))  # every train sample in exactly one client
     for g in range(len(GROUPS[split_by])):
         clients = dm.client_train[g * per_group : (g + 1) * per_group]

@@ -170,7 +170,7 @@ def test_clients_hold_iid_rows_and_a_label_partition_stops_with_one_line(tmp_pat
     loader = partial(wikitext2, str(tmp_path), seq_len=8)  # as Hydra's _partial_: the datamodule passes the protocol
     dm = FederatedDataModule(loader, IID(num_clients=2))
     dm.setup("fit")
-    assert sorted(torch.cat(dm.client_train).tolist()) == list(range(12)) and dm.data.num_val == 1
+    assert sorted(torch.cat(list(dm.client_train)).tolist()) == list(range(12)) and dm.data.num_val == 1
     store = dm.clients.to(torch.device("cpu"), torch.float64)
     assert store.x.dtype == store.y.dtype == torch.int64 and store.y.shape == (12, 8)
     dm = FederatedDataModule(loader, Shards(num_clients=2))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flx.datamodules.ragged import Ragged
 from flx.metrics.client_summary import ClientCells
 
 
@@ -85,17 +86,38 @@ class EvalRows:
         return ClientRows(self.x, self.y, _CellRows(self.cell, self.cells))
 
 
+def held_cells(rows: Ragged[Tensor], keys: Tensor) -> Ragged[Tensor]:
+    """Each client's distinct non-negative ``keys`` (the labels or groups of its ``rows``), ascending: what
+    ``keys[rows[c]].unique()`` gives, for every client in one ``unique`` of (client, key) pairs."""
+    owner = torch.from_numpy(rows.owners())
+    key = keys[torch.as_tensor(rows.values)].long()
+    scale = int(key.max()) + 1 if len(key) else 1
+    pairs = torch.unique(owner * scale + key)  # sorted: client-major, keys ascending within a client
+    return Ragged.from_sizes(pairs % scale, torch.bincount(pairs // scale, minlength=len(rows)).numpy())
+
+
+def _cells(per_client: Sequence[Tensor], num_cells: int) -> ClientCells:
+    if isinstance(per_client, Ragged):  # already CSR: no per-client tensor
+        return ClientCells(torch.from_numpy(per_client.offsets), torch.as_tensor(per_client.values).long(), num_cells)
+    return ClientCells.from_lists(per_client, num_cells)
+
+
 def by_cell(x: Tensor, y: Tensor, cell: Tensor, per_client: Sequence[Tensor]) -> EvalRows:
-    """A split whose rows fall in cells (``cell``: each row's label or group); client ``c`` holds ``per_client[c]``."""
-    every = torch.cat([cell.long(), *(t.long() for t in per_client)])
+    """A split whose rows fall in cells (``cell``: each row's label or group); client ``c`` holds ``per_client[c]``
+    (a :class:`~flx.datamodules.ragged.Ragged`, or a list of tensors)."""
+    held = torch.as_tensor(per_client.values) if isinstance(per_client, Ragged) else torch.cat([*per_client, cell[:0]])
+    every = torch.cat([cell.long(), held.long()])
     num_cells = int(every.max()) + 1 if len(every) else 0
-    return EvalRows(x, y, cell.long(), ClientCells.from_lists(per_client, num_cells), shared=True)
+    return EvalRows(x, y, cell.long(), _cells(per_client, num_cells), shared=True)
 
 
 def holdout(x: Tensor, y: Tensor, per_client: Sequence[Tensor]) -> EvalRows:
-    """Each client's own rows of the store ``(x, y)`` (``per_client[c]``), one cell per client."""
-    rows = torch.cat(list(per_client)) if len(per_client) else torch.zeros(0, dtype=torch.long)
-    owner = torch.repeat_interleave(
-        torch.arange(len(per_client)), torch.tensor([len(t) for t in per_client], dtype=torch.long)
-    )
+    """Each client's own rows of the store ``(x, y)`` (``per_client[c]``; a :class:`~flx.datamodules.ragged.Ragged`
+    or a list of tensors), one cell per client."""
+    if isinstance(per_client, Ragged):
+        rows, sizes = torch.as_tensor(per_client.values).long(), torch.from_numpy(per_client.sizes())
+    else:
+        rows = torch.cat(list(per_client)) if len(per_client) else torch.zeros(0, dtype=torch.long)
+        sizes = torch.tensor([len(t) for t in per_client], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(per_client)), sizes)
     return EvalRows(x[rows], y[rows], owner, ClientCells.identity(len(per_client)), shared=False)

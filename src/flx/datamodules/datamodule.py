@@ -18,7 +18,7 @@ models (:mod:`flx.resources`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from flx.config import CLIENT_EVAL
-from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, holdout
+from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, held_cells, holdout
 from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 from flx.datamodules.protocol import DataProtocol, load, save_split
@@ -77,9 +77,9 @@ class ClientStore:
         self,
         x: Tensor,
         y: Tensor,
-        client_indices: list[Tensor],
+        client_indices: Sequence[Tensor],
         num_train_clients: int | None = None,
-        client_support: list[Tensor] | None = None,
+        client_support: Sequence[Tensor] | None = None,
     ) -> None:
         self.x, self.y, self.client_indices = x, y, client_indices
         self.num_train_clients = len(client_indices) if num_train_clients is None else num_train_clients
@@ -140,12 +140,12 @@ class FederatedDataModule(pl.LightningDataModule):
         groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train[:n].numpy()}
         self.split = self.partitioner(self._partition_labels()[:n], self.seed, **groups)
         self.server_rows = torch.arange(n, len(self.data.y_train))
-        self.client_train = [torch.as_tensor(a, dtype=torch.long) for a in self.split.train]
-        self.client_test = [torch.as_tensor(a, dtype=torch.long) for a in self.split.test]
+        # each client's rows as int64 tensors: views into one flat tensor (the split's memory), made when asked for
+        self.client_train, self.client_test = self.split.train.torch(), self.split.test.torch()
         d = self.data
         self._eval_rows = {"test": self._split_rows("test"), "val": self._split_rows("val") if d.num_val else None}
         self._has_rows = {s: r is not None and bool(r.counts().sum() > 0) for s, r in self._eval_rows.items()}
-        support = None if self.split.support is None else [torch.as_tensor(a) for a in self.split.support]
+        support = None if self.split.support is None else self.split.support.torch()
         self.clients = ClientStore(
             self.data.x_train, self.data.y_train, self.client_train, self.split.num_train_clients, support
         )
@@ -200,20 +200,26 @@ class FederatedDataModule(pl.LightningDataModule):
         if self.client_eval != "test_group" and not d.class_labels:
             return None
         if self.client_eval != "test_group":
-            return by_cell(x, y, y, [d.y_train[rows].unique() for rows in self.client_train])
+            return by_cell(x, y, y, held_cells(self.client_train, d.y_train))
         if d.groups_train is None or groups is None:
             why = "needs a dataset with sample groups (data=adult, data=shakespeare)"
             raise bad_value("client_eval", self.client_eval, why)
-        held = [d.groups_train[rows].unique() for rows in self.client_train]
-        for cid, g in enumerate(held):
-            if len(g) != 1:
-                why = f"client {cid} holds {len(g)} groups; every client must hold one (partition=by_group)"
-                raise bad_value("client_eval", self.client_eval, why)
+        held = held_cells(self.client_train, d.groups_train)
+        counts = held.sizes()
+        if (counts != 1).any():
+            cid = int(np.flatnonzero(counts != 1)[0])
+            why = f"client {cid} holds {counts[cid]} groups; every client must hold one (partition=by_group)"
+            raise bad_value("client_eval", self.client_eval, why)
         return by_cell(x, y, groups, held)
 
     def has_client_rows(self, split: str) -> bool:
         """Whether ``split`` (``val`` or ``test``) has per-client evaluation rows."""
         return self._has_rows[split]
+
+    def metric_clients(self) -> dict[str, int]:
+        """Per split (``val``, ``test``), how many clients its per-client metrics count: every client where the split
+        has per-client rows, else 0 (no ``C``-sized counters that nothing updates: O(1) memory per client)."""
+        return {split: self.num_clients if self.has_client_rows(split) else 0 for split in ("val", "test")}
 
     def client_cells(self, split: str) -> ClientCells:
         """Which cells of ``split``'s per-client rows each client holds (the loaders carry each row's cell)."""

@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from flx.datamodules.partition_ops import as_labels, check_is_partition, integer, real
+from flx.datamodules.ragged import Ragged, as_ragged
 from flx.errors import bad_value
 
 
 @dataclass(frozen=True)
 class ClientSplit:
     """The result of a partitioner.
+
+    Each per-client field is a :class:`~flx.datamodules.ragged.Ragged`: all clients' rows in one flat int64 array plus
+    offsets (8 bytes per client), read like a list of arrays (``split.train[c]`` is client ``c``'s rows, a view;
+    ``len(split.train)``; iteration). Lists of arrays passed in are converted.
 
     Attributes:
         train: one sorted int64 index array per client.
@@ -27,10 +31,16 @@ class ClientSplit:
             ``test`` rows the rows it is measured on (their query set).
     """
 
-    train: list[np.ndarray]
-    test: list[np.ndarray]
-    support: list[np.ndarray] | None = None
+    train: Ragged[np.ndarray]
+    test: Ragged[np.ndarray]
+    support: Ragged[np.ndarray] | None = None
     num_heldout: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("train", "test", "support"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, as_ragged(value))
 
     @property
     def num_clients(self) -> int:
@@ -73,7 +83,7 @@ class Partitioner:
         params = ", ".join(f"{key}={value!r}" for key, value in fields.items())
         return f"{type(self).__name__}({params})"
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray] | list[np.ndarray]:
         """Splits the sample indices ``0..N-1`` over the clients.
 
         Args:
@@ -81,7 +91,8 @@ class Partitioner:
             rng: the generator to draw from.
 
         Returns:
-            ``num_clients`` index arrays that together hold every index exactly once (any order).
+            ``num_clients`` index arrays that together hold every index exactly once (any order): a
+            :class:`~flx.datamodules.ragged.Ragged` (the built-in schemes: no object per client) or a list of arrays.
         """
         raise NotImplementedError
 
@@ -109,9 +120,10 @@ class Partitioner:
         self._check_fits(len(labels))
         rng = np.random.default_rng(seed if self.seed is None else self.seed)
         keys = self.keys(labels, groups)
-        parts = [np.sort(np.asarray(part, dtype=np.int64)) for part in self.assign(keys, rng)]
+        parts = as_ragged(self.assign(keys, rng))
         check_is_partition(parts, len(labels), self.num_clients, type(self).__name__)
-        self._check_min_size(parts)
+        parts = parts.sorted()
+        self._check_min_size(parts.sizes())
         return self._split_test(parts, rng)
 
     def _check_params(self) -> None:
@@ -139,9 +151,8 @@ class Partitioner:
                 f"but there are only {num_samples} training samples",
             )
 
-    def _check_min_size(self, parts: list[np.ndarray]) -> None:
-        """Raises if ``assign`` left a client with fewer than ``min_size`` samples."""
-        sizes = np.array([len(part) for part in parts])
+    def _check_min_size(self, sizes: np.ndarray) -> None:
+        """Raises if ``assign`` left a client with fewer than ``min_size`` samples (``sizes``: each client's)."""
         if sizes.min() < self.min_size:
             client = int(sizes.argmin())
             raise bad_value(
@@ -151,14 +162,20 @@ class Partitioner:
                 "lower partition.min_size or partition.num_clients",
             )
 
-    def _split_test(self, parts: list[np.ndarray], rng: np.random.Generator) -> ClientSplit:
-        """Moves a random ``test_fraction`` of each client's samples (rounded, >= 1 kept) into its test set."""
+    def _split_test(self, parts: Ragged[np.ndarray], rng: np.random.Generator) -> ClientSplit:
+        """Moves a random ``test_fraction`` of each client's samples (rounded, >= 1 kept) into its test set.
+
+        The draws are one ``rng.permutation`` per client, in client order (what fixes the split for a seed); the rows
+        go straight into the flat train and test arrays."""
         if self.test_fraction == 0.0:
-            return ClientSplit(train=parts, test=[np.empty(0, dtype=np.int64) for _ in parts])
-        train, test = [], []
-        for part in parts:
-            num_test = min(math.floor(len(part) * self.test_fraction + 0.5), len(part) - 1)
+            return ClientSplit(train=parts, test=Ragged.empty(len(parts)))
+        sizes = parts.sizes()
+        # float64 like Python's floor(len * f + 0.5): the same counts as the per-client formula
+        num_test = np.minimum(np.floor(sizes * self.test_fraction + 0.5).astype(np.int64), sizes - 1)
+        train = Ragged.from_sizes(np.empty(int((sizes - num_test).sum()), np.int64), sizes - num_test)
+        test = Ragged.from_sizes(np.empty(int(num_test.sum()), np.int64), num_test)
+        for c, (part, k) in enumerate(zip(parts, num_test.tolist())):
             shuffled = rng.permutation(part)
-            test.append(np.sort(shuffled[:num_test]))
-            train.append(np.sort(shuffled[num_test:]))
-        return ClientSplit(train=train, test=test)
+            test[c][:] = shuffled[:k]
+            train[c][:] = shuffled[k:]
+        return ClientSplit(train=train.sorted(), test=test.sorted())

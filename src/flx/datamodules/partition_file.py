@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from flx.datamodules.ragged import Ragged, as_ragged
 from flx.errors import bad_value
 
 KEY = "partition.path"
@@ -53,38 +54,73 @@ def check_disjoint(arrays: dict[str, np.ndarray], size: int, key: str, path: str
         raise bad_value(key, path, f"row {row} is listed in {twice}; every row may appear once")
 
 
-def read_partition_file(path: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each client's ``(train, test)`` rows from ``path`` (structure checked here, ranges in :func:`check_covers`)."""
+def read_partition_file(path: str) -> tuple[Ragged[np.ndarray], Ragged[np.ndarray]]:
+    """Each client's ``train`` and ``test`` rows from ``path`` (structure checked here, ranges in
+    :func:`check_covers`)."""
     obj = read_json(path, KEY)
     clients = obj.get("clients") if isinstance(obj, dict) else None
     if not isinstance(clients, list) or not clients:
         raise bad_value(KEY, path, 'must hold {"clients": [{"train": [...], "test": [...]}, ...]} with >= 1 client')
-    out = []
+    train, test = [], []
     for c, entry in enumerate(clients):
         if not isinstance(entry, dict) or "train" not in entry or set(entry) - {"train", "test"}:
             raise bad_value(KEY, path, f"client {c} must be an object with 'train' and optional 'test' row lists")
-        train = index_array(entry["train"], KEY, path, f"client {c} 'train'")
-        if not len(train):
+        train.append(index_array(entry["train"], KEY, path, f"client {c} 'train'"))
+        if not len(train[-1]):
             raise bad_value(KEY, path, f"client {c} has no training rows")
-        out.append((train, index_array(entry.get("test", []), KEY, path, f"client {c} 'test'")))
-    return out
+        test.append(index_array(entry.get("test", []), KEY, path, f"client {c} 'test'"))
+    return Ragged.from_arrays(train), Ragged.from_arrays(test)
 
 
-def check_covers(clients: list[tuple[np.ndarray, np.ndarray]], num_rows: int, path: str) -> None:
-    """Every row index in range, listed once, and every training row in some client; else a one-line error."""
-    named: dict[str, np.ndarray] = {}
-    for c, (train, test) in enumerate(clients):
-        named[f"client {c} train"], named[f"client {c} test"] = train, test
-    check_disjoint(named, num_rows, KEY, path)
-    missing = np.setdiff1d(np.arange(num_rows), np.concatenate(list(named.values())))
+def _arrays(train_clients: np.ndarray, test_clients: np.ndarray) -> list[tuple[int, str]]:
+    """``(client, "train" | "test")`` of the given clients' arrays in file order (client 0 train, client 0 test...)."""
+    keys = sorted([(int(c), 0) for c in np.unique(train_clients)] + [(int(c), 1) for c in np.unique(test_clients)])
+    return [(c, ("train", "test")[k]) for c, k in keys]
+
+
+def check_covers(train: Ragged[np.ndarray], test: Ragged[np.ndarray], num_rows: int, path: str) -> None:
+    """Every row index in range, listed once, and every training row in some client; else a one-line error naming the
+    first offending client arrays in file order (as :func:`check_disjoint` names them)."""
+    rows, owners = np.concatenate([train.values, test.values]), np.concatenate([train.owners(), test.owners()])
+    is_train = np.arange(len(rows)) < len(train.values)
+    out = rows >= num_rows
+    if out.any():
+        c, kind = _arrays(owners[out & is_train], owners[out & ~is_train])[0]
+        biggest = int((train if kind == "train" else test)[c].max())
+        raise bad_value(KEY, path, f"client {c} {kind} has index {biggest}, out of range (there are {num_rows} rows)")
+    counts = np.bincount(rows, minlength=num_rows)
+    if len(rows) and counts.max() > 1:
+        row = int(counts.argmax())
+        at = rows == row
+        where = [f"client {c} {kind}" for c, kind in _arrays(owners[at & is_train], owners[at & ~is_train])]
+        twice = f"{where[0]} twice" if len(where) == 1 else " and ".join(where)
+        raise bad_value(KEY, path, f"row {row} is listed in {twice}; every row may appear once")
+    missing = np.flatnonzero(counts == 0)
     if len(missing):
         why = f"{len(missing)} of the {num_rows} training rows (e.g. row {int(missing[0])}) are in no client"
         raise bad_value(KEY, path, f"{why}; every training row must be in exactly one client")
 
 
+SAVE_CHUNK = 4096
+"""Clients encoded per write by :func:`save_partition`: the JSON of a million clients never sits in memory whole."""
+
+
+def _json_lists(arrays: Ragged[np.ndarray], start: int, stop: int) -> list[str]:
+    """The entries of arrays ``start..stop-1``, each as ``json.dumps`` writes a list's inside (``1, 2, 3``)."""
+    offsets = arrays.offsets[start : stop + 1]
+    words = list(map(str, arrays.values[offsets[0] : offsets[-1]].tolist()))
+    bounds = (offsets - offsets[0]).tolist()
+    return [", ".join(words[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def save_partition(path: str | Path, split: Any) -> None:
-    """Writes a :class:`~flx.datamodules.partitioners.ClientSplit` in the format of :func:`read_partition_file`."""
-    clients = [
-        {"train": np.asarray(tr).tolist(), "test": np.asarray(te).tolist()} for tr, te in zip(split.train, split.test)
-    ]
-    Path(path).write_text(json.dumps({"clients": clients}))
+    """Writes a :class:`~flx.datamodules.partitioners.ClientSplit` in the format of :func:`read_partition_file`:
+    the bytes of ``json.dumps({"clients": [{"train": [...], "test": [...]}, ...]})``, written a chunk of clients at a
+    time."""
+    train, test = as_ragged(split.train), as_ragged(split.test)
+    with open(path, "w") as file:
+        file.write('{"clients": [')
+        for start in range(0, len(train), SAVE_CHUNK):
+            pairs = zip(_json_lists(train, start, start + SAVE_CHUNK), _json_lists(test, start, start + SAVE_CHUNK))
+            file.write((", " if start else "") + ", ".join(f'{{"train": [{tr}], "test": [{te}]}}' for tr, te in pairs))
+        file.write("]}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from flx.datamodules.ragged import Ragged
 from flx.errors import bad_value
 
 
@@ -71,9 +72,9 @@ def as_labels(labels: np.ndarray) -> np.ndarray:
     return labels
 
 
-def check_is_partition(parts: list[np.ndarray], num_samples: int, num_clients: int, who: str) -> None:
+def check_is_partition(parts: Ragged[np.ndarray], num_samples: int, num_clients: int, who: str) -> None:
     """Guards against a faulty :meth:`Partitioner.assign`: exactly one array per client, each index exactly once."""
-    flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    flat = parts.values
     ok = len(parts) == num_clients and len(flat) == num_samples
     ok = ok and (num_samples == 0 or (flat.min() >= 0 and flat.max() < num_samples))
     if not ok or np.bincount(flat, minlength=num_samples).max(initial=1) != 1:
@@ -88,11 +89,10 @@ def group_by_class(labels: np.ndarray, rng: np.random.Generator) -> ByClass:
     return ByClass(values=values, counts=counts, order=order)
 
 
-def parts_from_owners(indices: np.ndarray, owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
+def parts_from_owners(indices: np.ndarray, owners: np.ndarray, num_clients: int) -> Ragged[np.ndarray]:
     """Turns "sample ``indices[i]`` belongs to client ``owners[i]``" into one index array per client."""
     by_owner = np.argsort(owners, kind="stable")
-    bounds = np.cumsum(np.bincount(owners, minlength=num_clients))[:-1]
-    return np.split(indices[by_owner], bounds)
+    return Ragged.from_sizes(indices[by_owner], np.bincount(owners, minlength=num_clients))
 
 
 def counts_from_proportions(proportions: np.ndarray, totals: np.ndarray) -> np.ndarray:
@@ -121,7 +121,7 @@ def balanced_class_choice(num_classes: int, num_clients: int, per_client: int, r
 
 def split_among_holders(
     by_class: ByClass, clients: np.ndarray, classes: np.ndarray, num_clients: int, hint: str
-) -> list[np.ndarray]:
+) -> Ragged[np.ndarray]:
     """Splits each class's samples evenly (sizes differ by at most one) among the clients that hold it.
 
     Args:

@@ -33,6 +33,7 @@ from flx.datamodules.partition_ops import (
     positive,
     split_among_holders,
 )
+from flx.datamodules.ragged import Ragged, chunk_of, chunk_sizes
 from flx.errors import ConfigError, bad_value
 
 DIRICHLET_MAX_TRIES = 1000
@@ -51,9 +52,9 @@ class IID(Partitioner):
     name = "iid"
     uses_labels = False
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
-        """Deals a random permutation out in ``num_clients`` near-equal chunks."""
-        return np.array_split(rng.permutation(len(labels)), self.num_clients)
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
+        """Deals a random permutation out in ``num_clients`` near-equal chunks (``np.array_split``'s)."""
+        return Ragged.from_sizes(rng.permutation(len(labels)), chunk_sizes(len(labels), self.num_clients))
 
 
 class Stratified(Partitioner):
@@ -65,10 +66,15 @@ class Stratified(Partitioner):
 
     name = "stratified"
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
+        """Client ``c`` gets the ``c``-th of ``np.array_split``'s chunks of every class's shuffled samples."""
         by_class = group_by_class(labels, rng)
-        shards = [np.array_split(chunk, self.num_clients) for chunk in np.split(by_class.order, by_class.starts[1:])]
-        return [np.concatenate([per_class[c] for per_class in shards]) for c in range(self.num_clients)]
+        cls = by_class.class_of_position
+        rank = np.arange(len(cls)) - by_class.starts[cls]  # position within its class
+        owners = np.empty(len(cls), dtype=np.int64)
+        for start, count in zip(by_class.starts.tolist(), by_class.counts.tolist()):
+            owners[start : start + count] = chunk_of(rank[start : start + count], count, self.num_clients)
+        return parts_from_owners(by_class.order, owners, self.num_clients)
 
 
 class _AlphaPartitioner(Partitioner):
@@ -106,7 +112,7 @@ class Dirichlet(_AlphaPartitioner):
 
     name = "dirichlet"
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
         """Draws a class-by-client count matrix, then deals each class's shuffled samples by it."""
         by_class = group_by_class(labels, rng)
         counts = self._draw_counts(by_class.counts, rng)
@@ -162,7 +168,7 @@ class Shards(Partitioner):
         super()._check_params()
         self.classes_per_client = integer("partition.classes_per_client", self.classes_per_client, low=1)
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
         """Picks each client's classes (least-used first, ties at random), then splits each class evenly."""
         by_class = group_by_class(labels, rng)
         num_classes = len(by_class.counts)
@@ -195,7 +201,7 @@ class OneClass(Partitioner):
 
     name = "one_class"
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
         """Assigns classes round-robin and splits each class evenly among its clients."""
         by_class = group_by_class(labels, rng)
         num_classes = len(by_class.counts)
@@ -223,12 +229,12 @@ class QuantitySkew(_AlphaPartitioner):
     name = "quantity_skew"
     uses_labels = False
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
         """Gives each client ``min_size`` samples plus a Dirichlet share of the rest, from a random permutation."""
         spare = np.array([len(labels) - self.num_clients * self.min_size])
         proportions = rng.dirichlet(np.full(self.num_clients, self.alpha))[None, :]
         sizes = self.min_size + counts_from_proportions(proportions, spare)[0]
-        return np.split(rng.permutation(len(labels)), np.cumsum(sizes)[:-1])
+        return Ragged.from_sizes(rng.permutation(len(labels)), sizes)
 
 
 class ByGroup(Partitioner):
@@ -260,13 +266,12 @@ class ByGroup(Partitioner):
             raise ValueError(f"groups has {len(groups)} entries but there are {len(labels)} labels")
         return groups
 
-    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    def assign(self, labels: np.ndarray, rng: np.random.Generator) -> Ragged[np.ndarray]:
         """Cuts each group's indices (in dataset order) into ``num_clients / G`` contiguous chunks."""
         values, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
         per_group = self._clients_per_group(values, counts)
         order = np.argsort(inverse, kind="stable")  # group-major, dataset order within each group
-        members = np.split(order, np.cumsum(counts)[:-1])
-        return [chunk for group in members for chunk in np.array_split(group, per_group)]
+        return Ragged.from_sizes(order, np.concatenate([chunk_sizes(n, per_group) for n in counts.tolist()]))
 
     def _clients_per_group(self, values: np.ndarray, counts: np.ndarray) -> int:
         """``num_clients / G``, or a ConfigError if it is not an integer or some group is too small to share."""
@@ -305,12 +310,12 @@ class FromFile(Partitioner):
         min_size: int = 1,
         seed: int | None = None,
     ) -> None:
-        self.path, self._clients = path, read_partition_file(path)
-        if num_clients is not None and num_clients != len(self._clients):
-            why = f"{path} lists {len(self._clients)} clients; leave partition.num_clients null or set it to that"
+        self.path, (self._train, self._test) = path, read_partition_file(path)
+        if num_clients is not None and num_clients != len(self._train):
+            why = f"{path} lists {len(self._train)} clients; leave partition.num_clients null or set it to that"
             raise bad_value("partition.num_clients", num_clients, why)
-        super().__init__(len(self._clients), test_fraction=test_fraction, min_size=min_size, seed=seed)
-        if self.test_fraction > 0 and any(len(test) for _, test in self._clients):
+        super().__init__(len(self._train), test_fraction=test_fraction, min_size=min_size, seed=seed)
+        if self.test_fraction > 0 and len(self._test.values):
             why = f"{path} already lists each client's test rows; set partition.test_fraction=0"
             raise bad_value("partition.test_fraction", self.test_fraction, why)
 
@@ -320,11 +325,11 @@ class FromFile(Partitioner):
     def __call__(self, labels: np.ndarray, seed: int, groups: np.ndarray | None = None) -> ClientSplit:
         """The file's partition of ``labels``' rows (checked: in range, each row in exactly one client)."""
         labels = as_labels(labels)
-        check_covers(self._clients, len(labels), self.path)
-        train = [np.sort(tr) for tr, _ in self._clients]
-        self._check_min_size([np.concatenate([tr, te]) for tr, te in self._clients])
-        if any(len(te) for _, te in self._clients):
-            return ClientSplit(train=train, test=[np.sort(te) for _, te in self._clients])
+        check_covers(self._train, self._test, len(labels), self.path)
+        train = self._train.sorted()
+        self._check_min_size(train.sizes() + self._test.sizes())
+        if len(self._test.values):
+            return ClientSplit(train=train, test=self._test.sorted())
         return self._split_test(train, np.random.default_rng(seed if self.seed is None else self.seed))
 
 

@@ -14,6 +14,7 @@ under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local it
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,7 +46,9 @@ class FederatedModule(pl.LightningModule):
             one logit ``(B, 1)``, see :mod:`flx.models.heads`; a regression task one column per target).
         federation: the round protocol.
         num_classes: number of classes ``C`` (0 for real-valued targets).
-        num_clients: number of clients (for per-client metrics).
+        num_clients: number of clients (the size of the per-client metrics), or one such size per split (``val``,
+            ``test``): 0 for a split without per-client evaluation rows, whose per-client metrics are never updated
+            (no ``C``-sized counters for a million clients that nothing measures).
         fingerprint: what a checkpoint of this run must agree with to be resumed (:func:`flx.resume.fingerprint`);
             saved in every checkpoint.
         task: the loss and the metrics (:mod:`flx.tasks`); default :class:`~flx.tasks.Classification`.
@@ -56,7 +59,7 @@ class FederatedModule(pl.LightningModule):
         net: nn.Module,
         federation: Federation,
         num_classes: int,
-        num_clients: int,
+        num_clients: int | Mapping[str, int],
         fingerprint: dict[str, Any] | None = None,
         task: Task | None = None,
     ) -> None:
@@ -64,7 +67,8 @@ class FederatedModule(pl.LightningModule):
         self.net, self.federation, self.fingerprint = net, federation, dict(fingerprint or {})
         self.task = task if task is not None else Classification()
         self.automatic_optimization = False
-        self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, num_clients) for s in ("val", "test")})
+        sizes = num_clients if isinstance(num_clients, Mapping) else dict.fromkeys(("val", "test"), num_clients)
+        self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, sizes[s]) for s in ("val", "test")})
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)

@@ -1,0 +1,40 @@
+"""``scripts/bench/memory.py``: the report's arithmetic and keys (``state`` kept for the stateful part) with the runs
+stubbed, and one real ``python train.py`` measured through ``os.wait4``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "scripts" / "bench" / "memory.py")
+memory = sys.modules["bench_memory"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(memory)
+
+
+def test_report_gives_ratio_and_bytes_per_extra_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peaks p_few, p_many: ratio = p_many / p_few, bytes per extra client = (p_many - p_few) / (n_many - n_few)."""
+    peaks = {100: 1000 * 2**20, 200_000: 1100 * 2**20}
+    monkeypatch.setattr(memory, "peak_rss", lambda args, folder: {"maxrss_bytes": peaks[_clients(args)], "wall_s": 1.0})
+    report = memory.memory_report(quick=True)
+    assert [r["clients"] for r in report["runs"]] == [100, 200_000]
+    assert report["ratio"] == pytest.approx(1.1) and report["passed"] and report["target"] == 1.2
+    assert report["bytes_per_extra_client"] == pytest.approx(100 * 2**20 / 199_900)
+    assert "state" in report and report["state"] is None
+    text = memory.table(report)
+    assert "ratio 1.10 (target <= 1.2: yes)" in text and "partition.num_clients=N" in text
+
+
+def _clients(args: list[str]) -> int:
+    return int(next(a for a in args if a.startswith("partition.num_clients=")).split("=")[1])
+
+
+@pytest.mark.slow
+def test_peak_rss_of_a_real_run(tmp_path: Path) -> None:
+    tiny = ["model=logreg", "partition.num_clients=4", "algo.clients_per_round=2", "algo.local_steps=1"]
+    run = memory.peak_rss([*tiny, "algo.rounds=1"], tmp_path / "run")
+    assert 50 * 2**20 < run["maxrss_bytes"] < 8 * 2**30 and run["wall_s"] > 0
+    assert (tmp_path / "run" / "checkpoints").is_dir()  # the defaults as shipped: round checkpoints written
