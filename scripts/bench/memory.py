@@ -7,8 +7,8 @@ each in its own process (outputs in a temporary folder, removed at the end). A p
 run within 1.2x the 100-client run's peak; ``bytes per extra client`` is the difference of the peaks over the extra
 clients. ``--quick``: 220,000 rows, 100 against 200,000 clients, 1 round (a smoke run; the ratio is not the target's).
 
-``state`` is the slot for the stateful part (per-client state in the store: bytes per client of a stateful algorithm):
-:func:`state_report` returns None until it is measured.
+``state``: a stateful algorithm's bytes per client in the client state store, in memory and on disk
+(``state_memory.py``: Ditto's personal models).
 
 Usage: ``python scripts/bench/memory.py [--quick]``; :func:`memory_report` returns the same as a dict (``make bench
 ARGS="--sections memory"``).
@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import state_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = 1.2
@@ -65,12 +67,6 @@ def peak_rss(args: list[str], folder: Path) -> dict[str, Any]:
     return {"maxrss_bytes": usage.ru_maxrss * 1024, "wall_s": wall}  # Linux: ru_maxrss in KiB
 
 
-def state_report(quick: bool = False) -> dict[str, Any] | None:
-    """The stateful part's bytes per client (per-client state in the client state store). None: not measured yet;
-    a stateful benchmark fills this in."""
-    return None
-
-
 def memory_report(quick: bool = False) -> dict[str, Any]:
     """Peak RSS of the stateless run per client count, their ratio against :data:`TARGET` and the bytes per extra
     client; ``state``: :func:`state_report`; ``load``: the 1-, 5- and 15-minute load averages before and after."""
@@ -92,7 +88,7 @@ def memory_report(quick: bool = False) -> dict[str, Any]:
         "passed": ratio <= TARGET,
         "bytes_per_extra_client": extra,
         "command": "python train.py " + " ".join(overrides(setting["rows"], "N", setting["rounds"])),
-        "state": state_report(quick),
+        "state": state_memory.state_report(quick),
         "load": {"before": load_before, "after": os.getloadavg()},
         "cpus": os.cpu_count(),
         "quick": quick,
@@ -107,8 +103,7 @@ def table(report: dict[str, Any]) -> str:
         f"ratio {report['ratio']:.2f} (target <= {report['target']}: {verdict}); "
         f"{report['bytes_per_extra_client']:.0f} bytes per extra client"
     )
-    state = report["state"]
-    lines.append("state (stateful bytes per client): " + ("not measured yet" if state is None else str(state)))
+    lines += ["stateful (Ditto's personal models in the client state store):", state_memory.table(report["state"])]
     before, after = report["load"]["before"], report["load"]["after"]
     lines.append(f"load average before {before[0]:.2f}, after {after[0]:.2f} on {report['cpus']} cores")
     lines.append(report["command"])

@@ -11,9 +11,9 @@ Sections (``--sections``, default all):
 * ``process``: the whole process, ``python train.py`` against ``python scripts/bench/plain_process.py``, each split
   into start-up (imports, data, model, Trainer), rounds and what follows (``process.py``).
 * ``scaleout``: workload a on 1 process x 1 thread, 1 process x 2 threads and 2 processes (DDP) x 1 thread.
-* ``vectorized``, ``memory``, ``state``, ``eval``: ``algo.vectorize`` against the plain loop, peak memory with
-  100 against 1,000,000 clients, a stateful algorithm's bytes per client in the state store, the cost of evaluation
-  (``vectorized.py``, ``memory.py``, ``state_memory.py``, ``evalcost.py``).
+* ``vectorized``, ``memory``, ``eval``: ``algo.vectorize`` against the plain loop, peak memory with 100 against
+  1,000,000 clients and a stateful algorithm's bytes per client in the state store, the cost of evaluation
+  (``vectorized.py``, ``memory.py`` with ``state_memory.py``, ``evalcost.py``).
 
 flx runs with the defaults a user gets (``--settings defaults``: console, CSV logger, round checkpoints, the default
 callbacks), validation off on both sides (the plain loop evaluates nothing). Prints the ratios against their targets
@@ -47,7 +47,6 @@ ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = {
     "vectorized": ("vectorized", "vectorized_report"),
     "memory": ("memory", "memory_report"),
-    "state": ("state_memory", "state_report"),
     "eval": ("evalcost", "eval_report"),
 }
 SECTIONS = ("rounds", "process", "scaleout", *OPTIONAL)

@@ -6,7 +6,7 @@ on digits) a fresh process puts that state for ``N`` clients into an in-memory s
 it added per client (RSS after minus before, over ``N``) next to the tensors' own bytes, then puts it for fewer
 clients into a disk store and reports the bytes on disk per client and the process's RSS growth for them.
 
-Usage: ``python scripts/bench/run.py --sections state [--quick]`` or ``python scripts/bench/state_memory.py``;
+Usage: part of ``python scripts/bench/run.py --sections memory [--quick]``, or ``python scripts/bench/state_memory.py``;
 :func:`state_report` returns a dict.
 """
 
