@@ -134,6 +134,20 @@ def test_ddp_ranks_start_together(tmp_path: Path) -> None:
     assert (out / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*/logs"))
 
 
+def test_the_config_check_imports_neither_torch_nor_lightning() -> None:
+    """What runs before ``prelaunch`` starts the other ranks (and before a bad value's one-line error) stays light:
+    ``precheck`` of a DDP run, partition included, imports no torch (~1.5 s) and no Lightning. A torch import at the
+    top of the partition code once delayed rank 1 by ~2.5 s, which the start-time test above did not catch."""
+    code = (
+        "import sys; from flx.config import precheck; "
+        "precheck(['trainer=ddp', 'trainer.devices=2', 'partition=iid', 'partition.num_clients=50']); "
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize(
     ("trainer", "env"),
     [

@@ -12,14 +12,24 @@ every client's row count as one array.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
-import torch
-from torch import Tensor
 
-A = TypeVar("A", np.ndarray, Tensor)
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# torch is imported only where a tensor is made: the config check (flx.config.precheck) builds partitioners, and
+# under trainer=ddp the other ranks start only after it, so it must not pay torch's import (~1.5 s)
+A = TypeVar("A", np.ndarray, "Tensor")
+
+
+def _is_tensor(values: Any) -> bool:
+    """Whether ``values`` is a torch tensor (without importing torch: none exists before torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(values, torch.Tensor)
 
 
 class Ragged(Sequence[A], Generic[A]):
@@ -75,7 +85,9 @@ class Ragged(Sequence[A], Generic[A]):
 
     def torch(self) -> Ragged[Tensor]:
         """The same arrays as int64 tensors (sharing the numpy values' memory where they are int64)."""
-        values = self.values if isinstance(self.values, Tensor) else torch.from_numpy(self.values)
+        import torch
+
+        values = self.values if _is_tensor(self.values) else torch.from_numpy(self.values)
         return Ragged(values.long(), self.offsets)
 
     def __len__(self) -> int:
@@ -107,7 +119,7 @@ class Ragged(Sequence[A], Generic[A]):
         return [*other, *self]
 
     def __repr__(self) -> str:
-        kind = "tensor" if isinstance(self.values, Tensor) else "ndarray"
+        kind = "tensor" if _is_tensor(self.values) else "ndarray"
         return f"Ragged({len(self)} {kind} arrays, {len(self.values)} entries)"
 
 
