@@ -2,8 +2,9 @@
 
 Both sides get the same data tensors (the flx datamodule's store and client index views), the same model
 class and initial weights, the same hyper-parameters (read from the one composed config) and the same torch
-thread settings. Every run counts its optimizer steps with a global ``torch.optim`` step hook (the same tiny
-cost on both sides), so the script can assert that both sides did the same number of local steps.
+thread settings. Every run counts its local steps as the training forwards of its net (a forward pre-hook on the
+net: the same tiny cost on both sides; neither side evaluates), so the script can assert that both sides did the same
+number of local steps. (Not ``torch.optim`` step hooks: flx's plain-SGD step does not go through ``torch.optim``.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from omegaconf import DictConfig
 from plain import FedAvgSpec, FlxRandomness, OwnRandomness, fedavg
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from workloads import Workload
 
 from flx.config import precheck
@@ -118,14 +118,14 @@ def spec(cfg: DictConfig) -> FedAvgSpec:
 
 
 @contextmanager
-def count_steps() -> Iterator[list[int]]:
-    """Counts ``optimizer.step()`` calls of every torch optimizer inside the block."""
+def count_steps(net: nn.Module) -> Iterator[list[int]]:
+    """Counts the calls of ``net`` (its forwards) inside the block: one per local step of either side."""
     counter = [0]
 
-    def hook(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    def hook(module: nn.Module, args: object) -> None:
         counter[0] += 1
 
-    handle = register_optimizer_step_post_hook(hook)
+    handle = net.register_forward_pre_hook(hook)
     try:
         yield counter
     finally:
@@ -137,11 +137,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], None], device: torch.device) -> tuple[float, int]:
-    """Wall-clock seconds of ``fn()`` (after a garbage collection) and the optimizer steps it made."""
+def timed(fn: Callable[[], None], device: torch.device, net: nn.Module) -> tuple[float, int]:
+    """Wall-clock seconds of ``fn()`` (after a garbage collection) and the local steps it made with ``net``."""
     gc.collect()
     threads = torch.get_num_threads()
-    with count_steps() as steps:
+    with count_steps(net) as steps:
         _sync(device)
         start = time.perf_counter()
         fn()
@@ -158,7 +158,9 @@ def _params(net: nn.Module) -> list[Tensor]:
 
 def run_flx(b: FlxBuild) -> Run:
     """Times ``trainer.fit`` (the whole federated training) of a built run."""
-    seconds, steps = timed(lambda: b.trainer.fit(b.module, datamodule=b.dm), b.trainer.strategy.root_device)
+    seconds, steps = timed(
+        lambda: b.trainer.fit(b.module, datamodule=b.dm), b.trainer.strategy.root_device, b.module.net
+    )
     done = b.module.federation.server.round
     if done != b.cfg.algo.rounds:
         raise RuntimeError(f"flx ran {done} rounds, expected {b.cfg.algo.rounds}")
@@ -180,7 +182,7 @@ def run_plain(b: FlxBuild, matched: bool) -> Run:
     clients: Sequence[Tensor] = [c.to(device) for c in b.dm.client_train]
     s = spec(b.cfg)
     rand = FlxRandomness(s.seed) if matched else OwnRandomness(s.seed)
-    seconds, steps = timed(lambda: fedavg(net, x, y, clients, s, rand), device)
+    seconds, steps = timed(lambda: fedavg(net, x, y, clients, s, rand), device, net)
     return Run(seconds, steps, _params(net))
 
 
@@ -189,8 +191,9 @@ def max_abs_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
 
 
 def _stacked(w: Workload) -> bool:
-    """``algo.vectorize=true``: flx makes no ``torch.optim`` steps (its stacked SGD step is its own), so the step
-    counts cannot be compared; the final-model check on the same cohorts and batches stands for them."""
+    """``algo.vectorize=true``: flx calls the net once per stacked step of all its clients (``functional_call``
+    under ``vmap``), so the step counts cannot be compared; the final-model check on the same cohorts and batches
+    stands for them."""
     return "algo.vectorize=true" in w.overrides
 
 
@@ -198,7 +201,7 @@ def check(w: Workload, accelerator: str, threads: int | None) -> tuple[float, in
     """flx and the plain loop on flx's cohorts and batches: same steps, same final model. Returns (diff, steps)."""
     b = build_flx(compose(w, w.check_rounds, accelerator, threads))
     f, p = run_flx(b), run_plain(b, matched=True)
-    if f.steps != p.steps and not (_stacked(w) and f.steps == 0) or p.steps == 0:
+    if (f.steps != p.steps and not _stacked(w)) or f.steps == 0 or p.steps == 0:
         raise AssertionError(f"workload {w.key}: flx made {f.steps} local steps, the plain loop {p.steps}")
     diff = max_abs_diff(f.params, p.params)
     if diff > DIFF_TOLERANCE:

@@ -9,6 +9,7 @@ reports a :class:`RunFailure` as one line and exit status 3: a faulty run never 
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ class RoundFaults:
     skipped: tuple[int, ...] = ()
 
 
+_SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # others sum in their own dtype
+
+
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """Whether every entry of every tensor is finite: one sum per tensor (at least fp32), then one host sync.
 
@@ -52,8 +56,13 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     """
     if not tensors:
         return True
-    sums = [t.detach().sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
-    return bool(torch.stack([x.to(sums[0].dtype) for x in sums]).sum().isfinite())
+    sums = [t.detach().sum(dtype=_SUM_DTYPE.get(t.dtype)) for t in tensors]  # half precision summed in fp32
+    dtype = sums[0].dtype
+    for x in sums[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    if any(x.dtype != dtype for x in sums):
+        sums = [x.to(dtype) for x in sums]
+    return math.isfinite(torch.stack(sums).sum().item())
 
 
 def judge(faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: FederationConfig, warn: bool) -> RoundFaults:

@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from flx import autodiff, evaluation, vectorized
 from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
 from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
+from flx.datamodules.ragged import Ragged
 from flx.faults import RoundFaults, all_finite, check_global_model, judge
 from flx.hooks import HOOKS, FederatedCallback, overrides
+from flx.local_sgd import clear_grads, is_plain_sgd, sgd_step
 from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, local_batches, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer
 from flx.state import ClientStateStore, ServerState
@@ -49,8 +51,12 @@ __all__ = [
     "uniform_cohort",
 ]
 # the federation's own scalars in the round's all-reduce, before the parts' registered statistics; "stored" counts the
-# clients whose state went to the store, so every rank knows whether the round needs the state all-gather
-COUNTERS = ("dropped", "skipped", "aggregated", "loss_sum", "loss_count", "stored")
+# clients whose state went to the store, so every rank knows whether the round needs the state all-gather; "aggregated"
+# and "loss_count" are adjacent, so an aggregated client adds 1 to both in one op
+COUNTERS = ("dropped", "skipped", "aggregated", "loss_count", "loss_sum", "stored")
+
+# the hooks that run inside each local step (the sequential path skips their bookkeeping when no part has any)
+_STEP_HOOKS = ("sample_batch", "local_loss", "on_local_grad", "on_local_step_end")
 
 
 def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
@@ -106,6 +112,11 @@ class Federation:
         rows no client sees, frozen models), or None.
         """
         self.net, self.data, self.loss_fn = net, data, loss_fn
+        indices = data.client_indices
+        # a client's row count without making its view (a Ragged reads two offsets): asked ~6 times per client
+        self._rows_of: Callable[[int], int] = (
+            indices.size if isinstance(indices, Ragged) else lambda cid: len(indices[cid])
+        )
         self.reduce_sum, self.rank, self.world_size, self.step_context = reduce_sum, rank, world_size, step_context
         self.gather, self._broadcast, self.resources = gather, broadcast, server
         self.store.bind_rank(rank, world_size)
@@ -158,6 +169,12 @@ class Federation:
         dtype = buffer_dtype(self.local_state + self.stats.likes())
         self.aggregator = AGGREGATORS[self.cfg.aggregator](self.local_state, extra=self.stats.numel(), dtype=dtype)
         self.counters = self.stats.bind(self.aggregator.extra)
+        # views of the counters an aggregated client adds to (in place, two ops a client)
+        i = COUNTERS.index("aggregated")
+        self._aggregated_and_losses, self._loss_sum = (
+            self.counters[i : i + 2],
+            self.counters[COUNTERS.index("loss_sum")],
+        )
 
     @property
     def train_loss(self) -> float | None:
@@ -192,7 +209,7 @@ class Federation:
         return rows[~torch.isin(rows, self.support_rows(cid))]
 
     def num_samples(self, cid: int) -> int:
-        return len(self.data.client_indices[cid])
+        return self._rows_of(cid)
 
     @property
     def cohort(self) -> tuple[int, ...]:
@@ -428,8 +445,8 @@ class Federation:
             self._leave_out(cid, "dropped")
             return None
         self.aggregator.update(self.local_state, client.weight, client.masks)
-        i = COUNTERS.index("aggregated")
-        self.counters[i : i + 3] += torch.stack([loss.new_ones(()), loss, loss.new_ones(())]).to(self.counters)
+        self._loss_sum += loss if loss.dtype == self._loss_sum.dtype else loss.to(self._loss_sum.dtype)
+        self._aggregated_and_losses += 1
         if client.state:
             self.store.put(cid, client.state)
             if self.world_size > 1:  # for the all-gather at the round end (one process holds no second copy)
@@ -486,15 +503,31 @@ class Federation:
     def _local_steps(self, client: ClientContext) -> Tensor:
         x, y, opt = self.data.x, self.data.y, self.local_opt
         opt.state.clear()  # a fresh local optimizer per client
+        # plain SGD (FedAvg's default) steps without torch.optim's per-call bookkeeping (~50 us a step, flx.local_sgd)
+        plain = is_plain_sgd(opt)
+        zero_grad = (lambda: clear_grads(opt)) if plain else (lambda: opt.zero_grad(set_to_none=True))
+        step = (lambda: sgd_step(opt)) if plain else opt.step
         losses: list[Tensor] = []  # summed once after the steps: one op per client, not one per step
         default = self.client_batches(client)
+        if not any(self._hooked[h] for h in _STEP_HOOKS):
+            # no part looks inside the steps: the same steps without the per-step context (client.step, .rows,
+            # .batch, .outputs) that only step hooks read
+            net, loss_fn = self.net, self.loss_fn
+            with self.step_context():
+                for rows in default:  # exactly client.num_steps minibatches
+                    zero_grad()
+                    loss = loss_fn(net(x[rows]), y[rows])
+                    loss.backward()
+                    step()
+                    losses.append(loss.detach())
+            return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
         with self.step_context():
             for k in range(client.num_steps):
                 client.step = k
                 rows = self._part_batch(client)
                 rows = next(default) if rows is None else rows  # the default stream advances only when used
                 client.rows, client.batch = rows, (x[rows], y[rows])
-                opt.zero_grad(set_to_none=True)
+                zero_grad()
                 client.outputs = self.net(client.batch[0])
                 loss = self.loss_fn(client.outputs, client.batch[1])
                 for part in self._hooked["local_loss"]:
@@ -502,7 +535,7 @@ class Federation:
                 loss.backward()
                 for part in self._hooked["on_local_grad"]:
                     part.on_local_grad(self, client)
-                opt.step()
+                step()
                 for part in self._hooked["on_local_step_end"]:
                     part.on_local_step_end(self, client)
                 losses.append(loss.detach())

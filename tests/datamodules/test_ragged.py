@@ -61,3 +61,11 @@ def test_chunks_are_those_of_array_split(n: int, k: int) -> None:
     assert chunk_sizes(n, k).tolist() == [len(c) for c in chunks]
     owner = np.concatenate([np.full(len(c), i) for i, c in enumerate(chunks)])
     assert chunk_of(np.arange(n), n, k).tolist() == owner.tolist()
+
+
+def test_size_is_the_length_of_the_view_without_making_it() -> None:
+    r = Ragged.from_arrays([[1, 2, 3], [], [4], [5, 6]])
+    assert [r.size(c) for c in range(len(r))] == [len(a) for a in r] == [3, 0, 1, 2]
+    for bad in (-1, 4):
+        with pytest.raises(IndexError):
+            r.size(bad)

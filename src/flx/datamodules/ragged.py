@@ -7,7 +7,7 @@ only for the clients a round samples.
 
 A :class:`Ragged` reads like the list of arrays it replaces: ``len(r)``, ``r[c]`` (a view, numpy or torch as the
 flat array is), iteration, ``r[a:b]`` and ``r + other`` (lists, as a list's slice and sum are); ``r.sizes()`` gives
-every client's row count as one array.
+every client's row count as one array, ``r.size(c)`` one client's.
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ class Ragged(Sequence[A], Generic[A]):
     def sizes(self) -> np.ndarray:
         """``(C,)`` int64: each array's length."""
         return np.diff(self.offsets)
+
+    def size(self, index: int) -> int:
+        """The length of array ``index`` (``len(self[index])`` without making the view)."""
+        if not 0 <= index < len(self.offsets) - 1:
+            raise IndexError(f"index {index} out of range for {len(self)} arrays")
+        return int(self.offsets[index + 1] - self.offsets[index])
 
     def owners(self) -> np.ndarray:
         """``(N,)`` int64: the array (client) each entry of ``values`` belongs to."""
