@@ -68,6 +68,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             check_output_dir(cfg.state_store.dir, "state_store.dir")
     except ConfigError as err:
         return _fail(err)
+    from flx.datamodules import prefetch
+
+    prefetch.start(cfg)  # the data load runs while the next line imports torch, Lightning and flx (~5 s)
     from flx.faults import RunFailure
     from flx.launch import as_single_run
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
@@ -98,10 +101,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 def _run_command_line() -> None:
     """``python train.py ...``: the config check, the other DDP ranks, the run or the sweep, the exit status."""
-    from flx.launch import failures, join_children, prelaunch
+    from flx.launch import failures, join_children, prelaunch, prelaunched
 
     try:
-        cfg = precheck(sys.argv[1:])
+        cfg = None if prelaunched() else precheck(sys.argv[1:])  # a rank prelaunch started: rank 0 checked it
     except ConfigError as err:
         _fail(err)
     if cfg is not None:  # trainer=ddp on one machine: start the other ranks now, their start-up beside this one

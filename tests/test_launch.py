@@ -7,12 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from runs import ENV, ROOT, flx_lines
 
+from flx import launch
 from flx.config import precheck
 from flx.launch import prelaunch, process_rank, run_name, slurm_restarts
 from flx.run import resume_path, train
@@ -167,3 +169,51 @@ def test_prelaunch_leaves_other_launches_alone(clean_env: pytest.MonkeyPatch, tr
     before, argv = dict(os.environ), list(sys.argv)
     prelaunch(trainer, lambda: pytest.fail("no run folder is needed"))
     assert dict(os.environ) == before and sys.argv == argv
+
+
+def test_prelaunched_ranks_skip_the_config_check(clean_env: pytest.MonkeyPatch) -> None:
+    """prelaunch starts rank 1 with the same command line, its rank, and the mark that rank 0 has checked the config:
+    that rank skips flx.config.precheck (train.py), and a process nobody started this way does not."""
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    class FakePopen:
+        def __init__(self, command: list[str], env: dict[str, str], **kwargs: object) -> None:
+            started.append((command, env))
+
+        def poll(self) -> int | None:  # still running (prelaunch's watcher asks)
+            return None
+
+        def wait(self) -> int:
+            return 0
+
+    clean_env.setattr(subprocess, "Popen", FakePopen)
+    clean_env.setattr(os, "environ", dict(os.environ))
+    clean_env.setattr(sys, "argv", ["train.py", "trainer=ddp", "algo.rounds=1"])
+    assert not launch.prelaunched()
+    try:
+        prelaunch({"strategy": "ddp", "devices": 2}, lambda: "/tmp/run-folder")
+    finally:
+        assert launch.join_children() == 0  # forgets the (fake) child
+    [(command, env)] = started
+    assert command[-3:] == ["trainer=ddp", "algo.rounds=1", "hydra.run.dir=/tmp/run-folder"]
+    assert env["LOCAL_RANK"] == "1" and env[launch.PRELAUNCHED] == "1"
+    assert os.environ["LOCAL_RANK"] == "0" and not launch.prelaunched()  # this process is rank 0: it checked
+    clean_env.setattr(os, "environ", env)
+    assert launch.prelaunched()
+
+
+def test_a_rank_that_fails_stops_the_run_at_once(tmp_path: Path) -> None:
+    """A prelaunched rank that dies (here at once, status 3) ends rank 0 within seconds with its status and one line,
+    instead of leaving it waiting in init_process_group for the 30-minute timeout."""
+    script = tmp_path / "rank.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    code = (
+        f"import sys, time; sys.argv = [{str(script)!r}]; from flx.launch import prelaunch; "
+        f"prelaunch({{'strategy': 'ddp', 'devices': 2}}, lambda: {str(tmp_path / 'run')!r}); time.sleep(120)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, "WORLD_SIZE", "MASTER_PORT")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert time.monotonic() - start < 60
+    assert flx_lines(proc.stderr) == ["flx: error: rank 1 exited with status 3; the run stops"]

@@ -22,6 +22,7 @@ from flx import loop, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, one_line, validate
 from flx.console import final_line, headline
+from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
@@ -143,6 +144,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         client_eval=cfg.get("client_eval", "holdout"),
         protocol=data_protocol(cfg),
         eval_test=bool(cfg.get("eval_test", False)),
+        loaded=prefetch.take(cfg),  # loaded while this process imported Lightning (train.py), or None
     )
     dm.setup("fit")
     dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only

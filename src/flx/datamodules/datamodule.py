@@ -112,6 +112,8 @@ class FederatedDataModule(pl.LightningDataModule):
         protocol: the ``data.*`` protocol (validation carve, split file, standardisation); default: no
             validation split, standardised.
         eval_test: also evaluate the test split in every validation loop (``test/*`` curves); never select on it.
+        loaded: ``load(dataset, protocol)`` computed already (:mod:`flx.datamodules.prefetch`), used by ``setup``
+            instead of loading again; None: ``setup`` loads.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class FederatedDataModule(pl.LightningDataModule):
         client_eval: str = "holdout",
         protocol: DataProtocol | None = None,
         eval_test: bool = False,
+        loaded: TensorData | None = None,
     ) -> None:
         super().__init__()
         if client_eval not in CLIENT_EVAL:
@@ -130,12 +133,14 @@ class FederatedDataModule(pl.LightningDataModule):
         self.dataset, self.partitioner, self.seed, self.eval_batch_size = dataset, partitioner, seed, eval_batch_size
         self.client_eval, self.protocol, self.eval_test = client_eval, protocol or DataProtocol(), eval_test
         self.data: TensorData | None = None
+        self._loaded = loaded
         self.server_resources: ServerResources | None = None  # set by flx.run.build (flx.resources)
 
     def setup(self, stage: str | None = None) -> None:
         if self.data is not None:
             return
-        self.data = load(self.dataset, self.protocol)
+        self.data = self._loaded if self._loaded is not None else load(self.dataset, self.protocol)
+        self._loaded = None
         n = self._client_pool_size()
         groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train[:n].numpy()}
         self.split = self.partitioner(self._partition_labels()[:n], self.seed, **groups)
