@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,12 @@ from flx.run import build
 
 SMALL = ["data=synthetic", "data.loader.num_samples=600", "data.loader.input_shape=[3,8,8]", "model=cnn"]
 SMALL += ["partition.num_clients=6", "algo.clients_per_round=3", "num_threads=1"]
+
+
+@pytest.fixture(autouse=True)
+def _spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests prefetch on any machine (one with a single core would otherwise load in build, as before)."""
+    monkeypatch.setattr(prefetch, "spare_core", lambda: True)
 
 
 def _built(out: Path, prefetched: bool, *extra: str):
@@ -49,3 +56,21 @@ def test_a_loading_error_is_raised_where_the_run_takes_the_data(tmp_path: Path) 
     """A value the loader rejects (checked only when it runs) fails the run with the loader's own one-line error."""
     with pytest.raises(ConfigError, match="data.loader.num_classes"):
         _built(tmp_path, True, "data.loader.num_classes=1")
+
+
+@pytest.mark.parametrize(
+    ("cores", "env", "spare"),
+    [(2, {}, True), (2, {"WORLD_SIZE": "2"}, False), (4, {"WORLD_SIZE": "2"}, True), (8, {"SLURM_NTASKS": "8"}, False)],
+)
+def test_the_load_runs_beside_the_imports_only_with_a_core_to_spare(
+    monkeypatch: pytest.MonkeyPatch, cores: int, env: dict, spare: bool
+) -> None:
+    """Two usable cores per process of the run: one process on two cores prefetches, two ranks on two cores do not
+    (each load would compete with the other rank's imports); without one, start() leaves the load to build."""
+    monkeypatch.undo()  # the real spare_core
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert prefetch.spare_core() is spare

@@ -17,6 +17,7 @@ loaded as before.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -72,10 +73,23 @@ def key(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml({"data": cfg.data, "num_threads": cfg.get("num_threads")}, resolve=True)
 
 
+def spare_core() -> bool:
+    """Whether this process has a core for the load beside its imports: at least two usable cores per process of the
+    run (``WORLD_SIZE`` / ``SLURM_NTASKS``, counted as if all on this machine). Two ranks on two cores would each run
+    the load against the other rank's imports: nothing to gain (the 2-rank start-up measured alike either way)."""
+    processes = max(int(os.environ.get(k) or 1) for k in ("WORLD_SIZE", "SLURM_NTASKS"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores >= 2 * processes
+
+
 def start(cfg: DictConfig) -> None:
-    """Starts loading ``cfg``'s data in a background thread (replacing a load started before and not taken). A
-    ``data`` node that cannot be resolved starts nothing: the run's own load reports it."""
+    """Starts loading ``cfg``'s data in a background thread (replacing a load started before and not taken), when
+    there is a :func:`spare_core` for it. A ``data`` node that cannot be resolved starts nothing: the run's own load
+    reports it."""
     global _pending
+    _pending = None
+    if not spare_core():
+        return
     try:
         _pending = _Load(cfg)
     except Exception:  # noqa: BLE001 -- the same error comes from flx.run.build's own load, as one line
