@@ -520,7 +520,20 @@ class Federation:
                     loss.backward()
                     step()
                     losses.append(loss.detach())
-            return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
+        else:
+            self._hooked_steps(client, default, zero_grad, step, losses)
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
+
+    def _hooked_steps(
+        self,
+        client: ClientContext,
+        default: Iterator[Tensor],
+        zero_grad: Callable[[], None],
+        step: Callable[[], Any],
+        losses: list[Tensor],
+    ) -> None:
+        """The local steps with the parts' step hooks and the per-step client context; appends each step's loss."""
+        x, y = self.data.x, self.data.y
         with self.step_context():
             for k in range(client.num_steps):
                 client.step = k
@@ -540,7 +553,6 @@ class Federation:
                     part.on_local_step_end(self, client)
                 losses.append(loss.detach())
         client.rows = client.batch = client.outputs = None
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
 
     # ------------------------------------------------------------------ personalised evaluation
     def parts_with(self, hook: str) -> list[FederatedCallback]:
