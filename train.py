@@ -30,11 +30,13 @@ from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, read_write  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from flx.config import CONFIG_DIR, check_output_dir, one_line, precheck, run_dir  # noqa: E402
+from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
 from flx.errors import ConfigError  # noqa: E402
+
+JOB = os.path.splitext(os.path.basename(__file__))[0]  # Hydra's job name (hydra.job.name): the script's
 
 # errors of the file system under the run folder: reported as bad input (exit 2), files already written are kept
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR)
@@ -59,8 +61,7 @@ def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
     return {"status": status, "job": label, "error": str(err)}
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def main(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig) -> dict[str, Any]:
     """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics."""
     try:
         check_output_dir(cfg.paths.output_dir)
@@ -99,17 +100,29 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return {"status": 0, "job": job_label(), "output_dir": str(cfg.paths.output_dir), **metrics}
 
 
-def _run_command_line() -> None:
-    """``python train.py ...``: the config check, the other DDP ranks, the run or the sweep, the exit status."""
-    from flx.launch import failures, join_children, prelaunch, prelaunched
+# the command lines Hydra runs itself (-m sweeps, --cfg, --help, ...)
+main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(run)
 
-    try:
-        cfg = None if prelaunched() else precheck(sys.argv[1:])  # a rank prelaunch started: rank 0 checked it
+
+def _run_command_line() -> None:
+    """``python train.py ...``: the config check, the other DDP ranks, the run or the sweep, the exit status.
+
+    A single run is composed once, checked and run as Hydra would run it (:func:`flx.launch.run_composed`); what
+    ``compose_run`` leaves to Hydra (a sweep, Hydra's flags) goes through ``hydra.main``."""
+    from flx.launch import failures, join_children, prelaunch, prelaunched, run_composed
+
+    try:  # a rank that prelaunch started composes its command line unchecked: rank 0 checked it
+        cfg = compose_run(sys.argv[1:], job_name=JOB, check=not prelaunched())
     except ConfigError as err:
         _fail(err)
-    if cfg is not None:  # trainer=ddp on one machine: start the other ranks now, their start-up beside this one
-        prelaunch(cfg.trainer, lambda: run_dir(sys.argv[1:]))
-    main()
+    if cfg is None:
+        main()
+    else:
+        folder = str(cfg.hydra.run.dir)  # resolved now (its time stamp): every rank's folder
+        with read_write(cfg.hydra):
+            cfg.hydra.run.dir = folder
+        prelaunch(cfg.trainer, folder)  # trainer=ddp on one machine: the other ranks start now, beside this one
+        run_composed(cfg, run, CONFIG_DIR)
     status = join_children()  # the ranks prelaunch started: a failure of theirs is the run's
     if status:
         sys.exit(status)

@@ -136,6 +136,43 @@ def test_ddp_ranks_start_together(tmp_path: Path) -> None:
     assert (out / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*/logs"))
 
 
+def test_a_composed_run_is_the_run_hydra_main_makes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.py composes a single run once (``compose_run``) and runs it with ``run_composed`` instead of handing the
+    command line to ``hydra.main``, which composes it twice more. The task gets the same config, Hydra's node
+    (``HydraConfig``) is the same, the run folder is created, the return value comes back, and an error in the task
+    is raised as it was raised."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from flx.config import CONFIG_DIR, compose_run
+    from flx.launch import run_composed
+
+    seen: list[tuple[str, str]] = []
+
+    def task(cfg: object) -> int:
+        assert (tmp_path / "run").is_dir()
+        assert "hydra" not in cfg  # type: ignore[operator]
+        seen.append((OmegaConf.to_yaml(HydraConfig.get()), OmegaConf.to_yaml(cfg)))
+        return len(seen)
+
+    overrides = ["model=mlp", "algo.rounds=3", "+trainer.max_time=null", f"hydra.run.dir={tmp_path / 'run'}"]
+    cfg = compose_run(overrides, job_name="test_launch")  # Hydra names the job after the task's module
+    assert "hydra" in cfg and cfg.algo.rounds == 3
+    assert run_composed(cfg, task, CONFIG_DIR) == 1
+    assert not HydraConfig.initialized()  # as after hydra.main: the run's Hydra config is gone
+    monkeypatch.setattr(sys, "argv", ["test_launch.py", *overrides])
+    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(task)()
+    (ours, our_cfg), (hydras, hydra_cfg) = seen
+    assert our_cfg == hydra_cfg
+    assert ours == hydras
+
+    def fails(cfg: object) -> None:
+        raise ValueError("the task's own error")
+
+    with pytest.raises(ValueError, match="the task's own error"):
+        run_composed(compose_run(overrides, job_name="test_launch"), fails, CONFIG_DIR)
+
+
 def test_the_config_check_imports_neither_torch_nor_lightning() -> None:
     """What runs before ``prelaunch`` starts the other ranks (and before a bad value's one-line error) stays light:
     ``precheck`` of a DDP run, partition included, imports no torch (~1.5 s) and no Lightning. A torch import at the
@@ -167,13 +204,14 @@ def test_prelaunch_leaves_other_launches_alone(clean_env: pytest.MonkeyPatch, tr
     for key, value in env.items():
         clean_env.setenv(key, value)
     before, argv = dict(os.environ), list(sys.argv)
-    prelaunch(trainer, lambda: pytest.fail("no run folder is needed"))
+    prelaunch(trainer, "/tmp/run-folder")
     assert dict(os.environ) == before and sys.argv == argv
 
 
 def test_prelaunched_ranks_skip_the_config_check(clean_env: pytest.MonkeyPatch) -> None:
     """prelaunch starts rank 1 with the same command line, its rank, and the mark that rank 0 has checked the config:
-    that rank skips flx.config.precheck (train.py), and a process nobody started this way does not."""
+    that rank composes its command line without the checks (train.py), and a process nobody started this way does
+    not."""
     started: list[tuple[list[str], dict[str, str]]] = []
 
     class FakePopen:
@@ -191,7 +229,7 @@ def test_prelaunched_ranks_skip_the_config_check(clean_env: pytest.MonkeyPatch) 
     clean_env.setattr(sys, "argv", ["train.py", "trainer=ddp", "algo.rounds=1"])
     assert not launch.prelaunched()
     try:
-        prelaunch({"strategy": "ddp", "devices": 2}, lambda: "/tmp/run-folder")
+        prelaunch({"strategy": "ddp", "devices": 2}, "/tmp/run-folder")
     finally:
         assert launch.join_children() == 0  # forgets the (fake) child
     [(command, env)] = started
@@ -209,7 +247,7 @@ def test_a_rank_that_fails_stops_the_run_at_once(tmp_path: Path) -> None:
     script.write_text("import sys\nsys.exit(3)\n")
     code = (
         f"import sys, time; sys.argv = [{str(script)!r}]; from flx.launch import prelaunch; "
-        f"prelaunch({{'strategy': 'ddp', 'devices': 2}}, lambda: {str(tmp_path / 'run')!r}); time.sleep(120)"
+        f"prelaunch({{'strategy': 'ddp', 'devices': 2}}, {str(tmp_path / 'run')!r}); time.sleep(120)"
     )
     env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, "WORLD_SIZE", "MASTER_PORT")}
     start = time.monotonic()

@@ -26,6 +26,7 @@ Usage: ``make bench``, ``make bench ARGS="--workload b --quick --sections rounds
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import platform
@@ -203,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench: --sections: unknown {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}")
     harness.quiet()
     harness.settings = args.settings
+    # the processes this bench starts read flx's (and its own) byte code from __pycache__, as a user's second run
+    # does: with PYTHONDONTWRITEBYTECODE set (CI, containers) every run would otherwise compile ~100 modules again
+    for folder in (ROOT / "src", ROOT / "scripts" / "bench"):
+        compileall.compile_dir(folder, quiet=1)
     print(f"flx settings: {args.settings} ({' '.join(harness.SETTINGS[args.settings])}); load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")  # fmt: skip
     if args.threads:

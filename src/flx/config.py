@@ -7,6 +7,7 @@ composed config. Loaders and partitioners check what only they can (files on dis
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -48,10 +49,39 @@ def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
 def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig | None:
     """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure.
 
-    Returns the composed config, or None when Hydra flags are given (e.g. ``-m``: jobs are validated as they start).
+    Returns the composed config without Hydra's node (what the run gets), or None when Hydra flags are given (e.g.
+    ``-m``: jobs are validated as they start).
     """
+    composed = _compose(overrides, config_name, config_dir, "train", check=True)
+    return None if composed is None else composed[1]
+
+
+def compose_run(
+    overrides: Sequence[str],
+    config_name: str = "train",
+    config_dir: str = CONFIG_DIR,
+    job_name: str = "train",
+    check: bool = True,
+) -> DictConfig | None:
+    """The config of a single run of ``overrides`` as ``hydra.main`` composes it, Hydra's ``hydra`` node included
+    (``hydra.mode=RUN``), and, with ``check``, validated as :func:`precheck` validates it (:class:`ConfigError`, one
+    line). ``train.py`` runs it with :func:`flx.launch.run_composed`: the command line is composed once.
+
+    None when Hydra runs the command line itself: Hydra flags (``-m``, ``--cfg``, ...; see :func:`precheck`), or a
+    config that sets ``hydra.mode`` to MULTIRUN (a sweep without ``-m``).
+    """
+    composed = _compose(overrides, config_name, config_dir, job_name, check)
+    return None if composed is None else composed[0]
+
+
+def _compose(
+    overrides: Sequence[str], config_name: str, config_dir: str, job_name: str, check: bool
+) -> tuple[DictConfig, DictConfig] | None:
+    """``(config with the hydra node, config without it)`` of a single run, validated with ``check``; or None."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
 
     _check_launcher(overrides)
     if any(o.startswith("-") for o in overrides):
@@ -59,15 +89,30 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
         # introspection, --config-name/-cp selecting another config: leave the command line to Hydra
         return None
     user = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
-    _check_groups(user, config_dir)
+    if check:
+        _check_groups(user, config_dir)
     try:
         OverridesParser.create().parse_overrides(list(overrides))
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            cfg = compose(config_name, overrides=user)
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=job_name):
+            cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
     except Exception as e:  # Hydra's exceptions carry multi-line messages: fold them into one line
         override = getattr(e, "override", None)  # OverrideParseException: the override that did not parse
         where = f"cannot parse {override!r}; " if isinstance(override, str) else ""
         raise ConfigError(f"bad command line: {where}{one_line(e)}") from None
+    if cfg.hydra.mode not in (None, RunMode.RUN):  # a sweep asked for by the config: Hydra's -m machinery runs it
+        return None
+    with read_write(cfg.hydra), open_dict(cfg.hydra):  # as hydra.main records a run
+        cfg.hydra.mode = RunMode.RUN
+        cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+    task = copy.deepcopy(cfg)  # the run's config: without Hydra's node (as hydra.core.utils.run_job passes it)
+    with open_dict(task):
+        del task["hydra"]
+    if check:
+        _validate(user, overrides, task, config_dir)
+    return cfg, task
+
+
+def _validate(user: Sequence[str], overrides: Sequence[str], cfg: DictConfig, config_dir: str) -> None:
     try:
         validate(cfg)
         _check_partition(cfg)
@@ -78,16 +123,6 @@ def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: s
     _check_files(cfg)
     _check_wandb(cfg)
     _check_run_dir(overrides, cfg)
-    return cfg
-
-
-def run_dir(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> str:
-    """The run folder (``hydra.run.dir``) a single run of ``overrides`` gets, resolved now (its time stamp)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
-    return str(cfg.hydra.run.dir)
 
 
 def _check_launcher(overrides: Sequence[str]) -> None:

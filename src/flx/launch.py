@@ -175,16 +175,16 @@ PRELAUNCHED = "FLX_PRELAUNCHED"  # "1" in the ranks prelaunch starts: rank 0 has
 
 def prelaunched() -> bool:
     """Whether this process is a rank that :func:`prelaunch` started: its command line passed rank 0's config check
-    (``flx.config.precheck``), which it skips (~0.3-0.7 s, which rank 0 would otherwise wait for in
-    ``init_process_group``)."""
+    (``flx.config.compose_run`` with its checks), which it skips (~0.1-0.3 s, which rank 0 would otherwise wait for
+    in ``init_process_group``)."""
     return os.environ.get(PRELAUNCHED) == "1"
 
 
-def prelaunch(trainer: Mapping[str, Any], run_dir: Callable[[], str]) -> None:
+def prelaunch(trainer: Mapping[str, Any], folder: str) -> None:
     """Starts the other ranks of a one-machine ``trainer=ddp`` run now, before this process imports torch and
     Lightning and loads the data, so that every rank's start-up runs at once (Lightning's own launcher starts them at
     ``trainer.fit``, after this process's start-up: seconds later). Each child re-runs this command with
-    ``LOCAL_RANK=i`` and the run folder ``run_dir()`` (every rank writes into one folder), as Lightning's launcher
+    ``LOCAL_RANK=i`` and the run folder ``folder`` (every rank writes into one folder), as Lightning's launcher
     would; this process becomes rank 0
     (``LOCAL_RANK=0``), so Lightning finds the processes started and launches none.
 
@@ -204,7 +204,6 @@ def prelaunch(trainer: Mapping[str, Any], run_dir: Callable[[], str]) -> None:
     import subprocess
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NODE_RANK="0", WORLD_SIZE=str(devices))
-    folder = run_dir()
     args = [a for a in sys.argv[1:] if not a.startswith("hydra.run.dir=")]
     command = [sys.executable, os.path.abspath(sys.argv[0]), *args, f"hydra.run.dir={folder}"]
     for rank in range(1, devices):
@@ -239,3 +238,28 @@ def join_children() -> int:
     codes = [child.wait() for child in _children]
     _children.clear()
     return next((exit_status(code) for code in codes if code), 0)
+
+
+def run_composed(cfg: Any, task: Callable[[Any], Any], config_dir: str) -> Any:
+    """Runs ``task`` on ``cfg`` (``flx.config.compose_run``'s config of a single run, Hydra's node included) as
+    ``hydra.main`` runs a single run, and returns what ``task`` returned (raises what it raised).
+
+    The same steps as Hydra's own runner (``hydra._internal.hydra.Hydra.run``): Hydra's callbacks
+    (``hydra.callbacks``), then ``hydra.core.utils.run_job``, which sets ``HydraConfig``, creates the run folder,
+    configures the job's logging and ``hydra.job.env_set`` and calls ``task`` with the config less Hydra's node. What
+    it saves is the composition: ``hydra.main`` composes the command line twice (once for the run mode, once for the
+    run), ~0.15 s each after the config check composed it already (``tests/test_train.py`` compares the two).
+    """
+    from hydra import initialize_config_dir
+    from hydra._internal.callbacks import Callbacks  # what Hydra's runner builds from hydra.callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import run_job
+    from hydra.types import HydraContext
+
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=cfg.hydra.job.name):
+        callbacks = Callbacks(cfg)
+        callbacks.on_run_start(config=cfg, config_name=cfg.hydra.job.config_name)
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+        ret = run_job(task, cfg, job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
+        callbacks.on_run_end(config=cfg, config_name=cfg.hydra.job.config_name, job_return=ret)
+    return ret.return_value
