@@ -244,19 +244,21 @@ def run_composed(cfg: Any, task: Callable[[Any], Any], config_dir: str) -> Any:
     """Runs ``task`` on ``cfg`` (``flx.config.compose_run``'s config of a single run, Hydra's node included) as
     ``hydra.main`` runs a single run, and returns what ``task`` returned (raises what it raised).
 
-    The same steps as Hydra's own runner (``hydra._internal.hydra.Hydra.run``): Hydra's callbacks
-    (``hydra.callbacks``), then ``hydra.core.utils.run_job``, which sets ``HydraConfig``, creates the run folder,
-    configures the job's logging and ``hydra.job.env_set`` and calls ``task`` with the config less Hydra's node. What
-    it saves is the composition: ``hydra.main`` composes the command line twice (once for the run mode, once for the
-    run), ~0.15 s each after the config check composed it already (``tests/test_train.py`` compares the two).
+    The same steps as Hydra's own runner (``hydra._internal.hydra.Hydra.run``): Hydra's logging
+    (``hydra/hydra_logging``, ``hydra.verbose``), Hydra's callbacks (``hydra.callbacks``), then
+    ``hydra.core.utils.run_job``, which sets ``HydraConfig``, creates the run folder, configures the job's logging and
+    ``hydra.job.env_set`` and calls ``task`` with the config less Hydra's node. What it saves is the composition:
+    ``hydra.main`` composes the command line twice (once for the run mode, once for the run), ~0.15 s each after the
+    config check composed it already (``tests/test_launch.py`` compares the two runs).
     """
     from hydra import initialize_config_dir
     from hydra._internal.callbacks import Callbacks  # what Hydra's runner builds from hydra.callbacks
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.utils import run_job
+    from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext
 
     with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=cfg.hydra.job.name):
+        configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)  # as hydra.main's composition does
         callbacks = Callbacks(cfg)
         callbacks.on_run_start(config=cfg, config_name=cfg.hydra.job.config_name)
         context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
