@@ -49,8 +49,8 @@ def _check_groups(overrides: Sequence[str], config_dir: str) -> None:
 def precheck(overrides: Sequence[str], config_name: str = "train", config_dir: str = CONFIG_DIR) -> DictConfig | None:
     """Composes ``overrides`` as ``train.py`` will and validates; raises :class:`ConfigError` (one line) on failure.
 
-    Returns the composed config without Hydra's node (what the run gets), or None when Hydra flags are given (e.g.
-    ``-m``: jobs are validated as they start).
+    Returns the composed config without Hydra's node (what the run gets), or None when Hydra runs the command line
+    itself (see :func:`compose_run`; e.g. ``-m``: jobs are validated as they start).
     """
     composed = _compose(overrides, config_name, config_dir, "train", check=True)
     return None if composed is None else composed[1]
@@ -76,8 +76,9 @@ def compose_run(
 
 def _compose(
     overrides: Sequence[str], config_name: str, config_dir: str, job_name: str, check: bool
-) -> tuple[DictConfig, DictConfig] | None:
-    """``(config with the hydra node, config without it)`` of a single run, validated with ``check``; or None."""
+) -> tuple[DictConfig, DictConfig | None] | None:
+    """``(config with the hydra node, config without it)`` of a single run, validated with ``check`` (without
+    ``check`` the second is None: nothing reads it); or None."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.types import RunMode
@@ -104,11 +105,12 @@ def _compose(
     with read_write(cfg.hydra), open_dict(cfg.hydra):  # as hydra.main records a run
         cfg.hydra.mode = RunMode.RUN
         cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+    if not check:
+        return cfg, None
     task = copy.deepcopy(cfg)  # the run's config: without Hydra's node (as hydra.core.utils.run_job passes it)
     with open_dict(task):
         del task["hydra"]
-    if check:
-        _validate(user, overrides, task, config_dir)
+    _validate(user, overrides, task, config_dir)
     return cfg, task
 
 
