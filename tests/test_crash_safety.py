@@ -24,6 +24,8 @@ import pytest
 import torch
 from runs import assert_same_model, ckpt, flx_lines, run
 
+from flx.state import ClientStateStore
+
 pytestmark = pytest.mark.slow
 KILL = ["+callbacks.kill._target_=helpers.KillMidRound", "+callbacks.kill.round=4"]
 
@@ -182,3 +184,33 @@ def test_full_disk_and_read_only_folder_give_one_line(tmp_path: Path) -> None:
         assert lines[0].startswith(f"flx: error: hydra.run.dir='{ro / 'run'}'") and "not writable" in lines[0]
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_sigkill_with_client_state_on_disk_resumes_to_the_same_state(tmp_path: Path) -> None:
+    """Ditto (a personal model per client) with ``state_store.backend=disk``: killed in round 5 once round 4's
+    checkpoint is on disk and a client of round 5 has written its file, resumed with ckpt_path=auto. The global model
+    and every client's personal model equal the uninterrupted run's, bitwise; the state folder ends holding exactly
+    the files the kept checkpoints refer to (the killed round's file is gone)."""
+    args = ["algo=ditto", "algo.rounds=8", "state_store.backend=disk"]
+    full = run(tmp_path / "full", *args)
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = tmp_path / "run"
+    killed = run(out, *args, *KILL)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    last = ckpt(out / "checkpoints" / "last.ckpt")
+    assert last["flx"]["round"] == 4 and "clients" not in last["flx"]["store"]
+    written = {p.name for p in (out / "client_state").iterdir()}
+    assert written - {os.path.basename(f) for f in ClientStateStore.files_of(last["flx"]["store"])}, "no orphan"
+
+    resumed = run(out, *args, "ckpt_path=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = ckpt(tmp_path / "full" / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt")
+    assert_same_model(a, b)
+    sa, sb = (ClientStateStore.from_state_dict(c["flx"]["store"]) for c in (a, b))
+    assert sa.client_ids() == sb.client_ids() and len(sa) > 0
+    for cid in sa.client_ids():
+        x, y = sa.get(cid), sb.get(cid)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), cid
+    kept = [ckpt(out / "checkpoints" / f"round_0000{r}.ckpt")["flx"]["store"] for r in (7, 8)]
+    referenced = {os.path.basename(f) for state in kept for f in ClientStateStore.files_of(state)}
+    assert {p.name for p in (out / "client_state").iterdir()} == referenced

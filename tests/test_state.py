@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -85,3 +87,87 @@ def test_disk_store_counts_its_files(tmp_path) -> None:
         store.put(cid, _mixed_state(cid))
     files = sorted((tmp_path / "s").iterdir())
     assert len(files) == 3 and store.nbytes() == sum(f.stat().st_size for f in files)
+
+
+def _names(paths: list[str]) -> list[str]:
+    return sorted(os.path.basename(p) for p in paths)
+
+
+def _one(v: float) -> dict[str, torch.Tensor]:
+    return {"v": torch.tensor([v])}
+
+
+def test_disk_snapshots_hold_a_table_and_keep_their_files_until_released(tmp_path) -> None:
+    """A disk snapshot is the (client, file) table, not the tensors. A put after a snapshot writes a new file; the
+    snapshot's file stays until ``retain`` no longer keeps a snapshot that refers to it (hand-computed below)."""
+    store = ClientStateStore("disk", str(tmp_path / "s"))
+    store.put(0, _one(0.0))
+    store.put(1, _one(10.0))
+    store.put(0, _one(0.5))  # no snapshot since: the same file, rewritten
+    a = store.state_dict(round=1)  # snapshot 0: client 0 -> tag 0, client 1 -> tag 0
+    assert "clients" not in a and a["disk"]["cids"].tolist() == [0, 1] and a["disk"]["tags"].tolist() == [0, 0]
+    store.put(0, _one(1.0))  # tag 1
+    b = store.state_dict(round=2)  # snapshot 1
+    store.put(0, _one(2.0))  # tag 2
+    store.put(2, _one(20.0))  # tag 2
+    c = store.state_dict(round=3)  # snapshot 2
+    assert _names(os.listdir(tmp_path / "s")) == ["client_0.0.pt", "client_0.1.pt", "client_0.2.pt"] + [
+        "client_1.0.pt",
+        "client_2.2.pt",
+    ]
+    assert c["disk"]["old"].tolist() == [[0, 0, 1], [0, 1, 2]]  # (client, tag, superseded at tag)
+
+    def values(snapshot: dict) -> dict[int, float]:
+        s = ClientStateStore.from_state_dict(snapshot)
+        return {cid: float(s.get(cid)["v"]) for cid in s.client_ids()}
+
+    assert values(a) == {0: 0.5, 1: 10.0} and values(b) == {0: 1.0, 1: 10.0}
+    assert values(c) == {0: 2.0, 1: 10.0, 2: 20.0}
+    # keeping the checkpoints of rounds 2 and 3: snapshot 0 (round 1) goes, and client 0's tag-0 file with it
+    assert _names(store.retain({2, 3})) == ["client_0.0.pt"]
+    assert store.retain({2, 3}) == []
+    assert _names(store.retain({3})) == ["client_0.1.pt"]
+    assert store.retain(set()) == []  # the current files are always kept
+    os.remove(tmp_path / "s" / "client_0.0.pt")
+    with pytest.raises(FileNotFoundError, match="1 client state file"):
+        ClientStateStore.from_state_dict(a)
+
+
+def test_disk_resume_drops_what_a_killed_run_wrote_after_its_checkpoint(tmp_path) -> None:
+    """Loading a snapshot in its own folder: files written after it (a killed run's) are released at the next retain,
+    never overwritten before (new tags start above them); the state is the snapshot's."""
+    first = ClientStateStore("disk", str(tmp_path / "s"))
+    first.put(0, _one(0.0))
+    first.put(1, _one(1.0))
+    snap = first.state_dict(round=4)  # snapshot 0
+    first.put(0, _one(-1.0))  # tag 1: round 5 of the killed run, in no checkpoint
+    (tmp_path / "s" / "client_1.1.pt").write_bytes(b"cut short")  # a write the kill cut short
+
+    resumed = ClientStateStore("disk", str(tmp_path / "s"))
+    resumed.load_state_dict(snap)
+    assert resumed.client_ids() == [0, 1] and float(resumed.get(0)["v"]) == 0.0
+    resumed.put(0, _one(5.0))  # tag 2: above every tag on disk
+    assert float(torch.load(tmp_path / "s" / "client_0.1.pt")["v"]) == -1.0  # the killed run's file is untouched
+    resumed.state_dict(round=5)
+    doomed = resumed.retain({4, 5})
+    assert _names(doomed) == ["client_0.1.pt", "client_1.1.pt"]
+    for path in doomed:
+        os.remove(path)
+    # kept: the round-4 snapshot's files (client 0 at tag 0, client 1) and the current one
+    assert _names(os.listdir(tmp_path / "s")) == ["client_0.0.pt", "client_0.2.pt", "client_1.0.pt"]
+
+
+def test_disk_snapshot_loaded_in_another_folder_is_copied(tmp_path) -> None:
+    """Another run's (or rank 0's) snapshot: its current files are copied into this store's folder, the source is
+    left alone; a legacy snapshot with the tensors inside loads into a disk store too."""
+    src = ClientStateStore("disk", str(tmp_path / "a"))
+    src.put(3, _mixed_state(3))
+    src.put(3, _mixed_state(4))
+    snap = src.state_dict(round=1)
+    dst = ClientStateStore("disk", str(tmp_path / "b"))
+    dst.load_state_dict(snap)
+    assert _names(os.listdir(tmp_path / "b")) == ["client_3.1.pt"] and (tmp_path / "a" / "client_3.0.pt").exists()
+    assert all(torch.equal(dst.get(3)[k], v) for k, v in _mixed_state(4).items())
+    legacy = ClientStateStore("disk", str(tmp_path / "c"))
+    legacy.load_state_dict({"clients": {5: _one(7.0)}})
+    assert float(legacy.get(5)["v"]) == 7.0 and legacy.retain({1}) == []

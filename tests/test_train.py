@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import DictConfig
+from runs import ckpt
 from sklearn.metrics import roc_auc_score
 
 from flx.config import precheck
 from flx.hooks import FederatedCallback
 from flx.run import build, train
+from flx.state import ClientStateStore
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,9 +96,15 @@ def test_checkpoint_schedule_and_best_validation_round(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("round_*"))
     assert names == ["round_00003.ckpt", "round_00005.ckpt"]
     best = ["checkpoint.every_rounds=null", "checkpoint.every_seconds=1e-9", "checkpoint.monitor=val/acc"]
-    metrics = train(compose(tmp_path / "b", *base, *best, "checkpoint.keep_last=2", "test_on=best"))
+    # client state on disk: the files of the best round stay while best.ckpt refers to them, and test_on=best loads
+    # them; the folder holds exactly the files of the kept checkpoints
+    disk = [COUNTER, "state_store.backend=disk"]
+    metrics = train(compose(tmp_path / "b", *base, *best, *disk, "checkpoint.keep_last=2", "test_on=best"))
     folder = tmp_path / "b" / "checkpoints"
     assert sorted(p.name for p in folder.glob("round_*")) == ["round_00004.ckpt", "round_00005.ckpt"]
+    kept = [ckpt(folder / name)["flx"]["store"] for name in ("round_00004.ckpt", "round_00005.ckpt", "best.ckpt")]
+    referenced = {os.path.basename(f) for state in kept for f in ClientStateStore.files_of(state)}
+    assert {p.name for p in (tmp_path / "b" / "client_state").iterdir()} == referenced
     rows = [r for r in csv.DictReader(open(tmp_path / "b" / "csv" / "metrics.csv")) if r.get("val/acc")]
     accs = [float(r["val/acc"]) for r in rows]
     saved = torch.load(folder / "best.ckpt", map_location="cpu", weights_only=True)
@@ -112,7 +120,8 @@ def test_checkpoint_schedule_and_best_validation_round(tmp_path: Path) -> None:
 
 def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
     """Checkpoints are written at every round boundary; resuming from round 3's equals the 6-round run."""
-    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=6", "checkpoint.keep_last=null"]
+    # client state on disk: the resume, in another run folder, copies round 3's files into its own
+    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=6", "checkpoint.keep_last=null", "state_store.backend=disk"]
     train(compose(tmp_path / "a", *base))
     saved = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("round_*.ckpt"))
     assert saved == [f"round_{r:05d}.ckpt" for r in range(1, 7)]
@@ -122,7 +131,10 @@ def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
     a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
-    assert a["flx"]["store"]["clients"].keys() == c["flx"]["store"]["clients"].keys()
+    sa, sc = (ClientStateStore.from_state_dict(ck["flx"]["store"]) for ck in (a, c))
+    assert sa.client_ids() == sc.client_ids() and len(sa) > 0
+    assert all(torch.equal(sa.get(cid)["visits"], sc.get(cid)["visits"]) for cid in sa.client_ids())
+    assert all(f.startswith(str(tmp_path / "c")) for f in ClientStateStore.files_of(c["flx"]["store"]))
 
 
 def _cli(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -169,7 +181,9 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
         "+algo.parts.personal.model=local",  # clients that trained: their last local model; the others: the global
     ]
     acc_one = _cli(tmp_path / "one", *common).stdout.split("final test_acc=")[1].split()[0]
-    acc_two = _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2").stdout.split("final test_acc=")[1]
+    # the 2-process run keeps its client state on disk (a folder per rank): the same state, either way
+    two = _cli(tmp_path / "two", *common, "trainer=ddp", "trainer.devices=2", "state_store.backend=disk")
+    acc_two = two.stdout.split("final test_acc=")[1]
     assert acc_one == acc_two.split()[0]  # each rank evaluates a shard of the test set; the metric syncs them
     evals = [_evaluations(tmp_path / run) for run in ("one", "two")]
     assert evals[0].keys() == evals[1].keys() >= {"val/acc", "val/client_acc_mean", "val/personal_acc_mean"}
@@ -180,8 +194,10 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
     for k in one["state_dict"]:
         torch.testing.assert_close(one["state_dict"][k], two["state_dict"][k], rtol=0, atol=1e-5)
-    visits = [{c: float(s["visits"]) for c, s in ck["flx"]["store"]["clients"].items()} for ck in (one, two)]
+    stores = [ClientStateStore.from_state_dict(ck["flx"]["store"]) for ck in (one, two)]
+    visits = [{c: float(s.get(c)["visits"]) for c in s.client_ids()} for s in stores]
     assert visits[0] == visits[1] and sum(visits[0].values()) == 3 * 5
+    assert sorted(p.name for p in (tmp_path / "two" / "client_state").iterdir()) == ["rank0", "rank1"]
     # fed.on_server over the real process group: one rank ran it, both received rank 0's result (0 + 0), each round
     checks = next(v for k, v in two["callbacks"].items() if "VisitCounter" in k)["server_checks"]
     assert checks == [[1.0, 0.0]] * 3
@@ -295,15 +311,26 @@ def test_precision_plugins(tmp_path: Path, precision: str) -> None:
 
 
 def test_disk_state_store_matches_memory(tmp_path: Path) -> None:
-    """state_store.backend=disk keeps one file per client and checkpoints the same state as memory."""
-    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=3"]
+    """state_store.backend=disk checkpoints the same client state as memory, as a table of (client, file) rather than
+    the tensors; its folder holds exactly the files the kept checkpoints (rounds 3 and 4, keep_last=2, and best.ckpt,
+    here an earlier round) refer to."""
+    base = [*SMALL, "logger=none", COUNTER, "algo.rounds=4"]
     train(compose(tmp_path / "mem", *base))
-    train(compose(tmp_path / "disk", *base, "state_store.backend=disk"))
-    mem, disk = _final(tmp_path / "mem"), _final(tmp_path / "disk")
-    assert mem["flx"]["store"]["clients"].keys() == disk["flx"]["store"]["clients"].keys()
-    for cid, state in mem["flx"]["store"]["clients"].items():
-        assert torch.equal(state["visits"], disk["flx"]["store"]["clients"][cid]["visits"])
-    assert len(list((tmp_path / "disk" / "client_state").glob("client_*.pt"))) == len(mem["flx"]["store"]["clients"])
+    worst = ["checkpoint.monitor=val/acc", "checkpoint.mode=min"]  # best.ckpt: the lowest val/acc, an early round
+    train(compose(tmp_path / "disk", *base, *worst, "state_store.backend=disk"))
+    mem, disk = _final(tmp_path / "mem")["flx"]["store"]["clients"], _final(tmp_path / "disk")["flx"]["store"]
+    assert "clients" not in disk
+    store = ClientStateStore.from_state_dict(disk)
+    assert store.client_ids() == sorted(mem)
+    for cid, state in mem.items():
+        assert torch.equal(state["visits"], store.get(cid)["visits"])
+    folder = tmp_path / "disk" / "checkpoints"
+    best = ckpt(folder / "best.ckpt")["flx"]
+    assert best["round"] < 3 and ClientStateStore.from_state_dict(best["store"]).client_ids()  # its files are there
+    kept = [ckpt(folder / f"round_0000{r}.ckpt")["flx"]["store"] for r in (3, 4)] + [best["store"]]
+    referenced = {os.path.basename(f) for state in kept for f in ClientStateStore.files_of(state)}
+    on_disk = {p.name for p in (tmp_path / "disk" / "client_state").iterdir()}
+    assert on_disk == referenced and len(on_disk) > len(mem)  # a client of round 4 also keeps its round-3 file
 
 
 def test_multirun_sweep(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ The state is Ditto's (``algo=ditto``): one personal model per client, a copy of 
 ``flx.state.ClientStateStore`` under ``ditto/v/<k>``. For each model (the default ``model=mlp`` and ``model=logreg``
 on digits) a fresh process puts that state for ``N`` clients into an in-memory store and reports the resident bytes
 it added per client (RSS after minus before, over ``N``) next to the tensors' own bytes, then puts it for fewer
-clients into a disk store and reports the bytes on disk per client and the process's RSS growth for them.
+clients into a disk store and reports the bytes on disk per client, the process's RSS growth for them, and what a
+checkpoint of that store costs (its serialised bytes per client and the seconds to take and serialise it: a table of
+files, not the tensors).
 
 Usage: part of ``python scripts/bench/run.py --sections memory [--quick]``, or ``python scripts/bench/state_memory.py``;
 :func:`state_report` returns a dict.
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,8 @@ def _rss() -> int:
 
 def _child(model: str, clients: int, disk_clients: int) -> dict[str, Any]:
     """Runs in a fresh process: fills a memory store, then a disk store, with Ditto's state of ``model``."""
+    import torch
+
     from flx.models.nets import MLP, LogisticRegression
     from flx.state import ClientStateStore
 
@@ -54,10 +60,16 @@ def _child(model: str, clients: int, disk_clients: int) -> dict[str, Any]:
         for cid in range(disk_clients):
             disk.put(cid, state)
         gc.collect()
+        rss = (_rss() - before) / disk_clients
+        start = time.perf_counter()
+        saved = io.BytesIO()
+        torch.save(disk.state_dict(round=1), saved)  # what a round checkpoint adds for the store
         out["disk"] = {
             "clients": disk_clients,
             "bytes_per_client": disk.nbytes() / disk_clients,
-            "rss_per_client": (_rss() - before) / disk_clients,
+            "rss_per_client": rss,
+            "checkpoint_bytes_per_client": saved.getbuffer().nbytes / disk_clients,
+            "checkpoint_s": time.perf_counter() - start,
         }
     return out
 
@@ -77,13 +89,17 @@ def state_report(quick: bool = False) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    head = "model    params  tensors B/client | memory: clients  resident B/client  overhead | disk: B/client  resident"
+    head = (
+        "model    params  tensors B/client | memory: clients  resident B/client  overhead | disk: B/client  resident"
+        "  ckpt B/client  ckpt s"
+    )
     lines = [head, "-" * len(head)]
     for key, r in report.items():
         m, d = r["memory"], r["disk"]
         lines.append(
             f"{key:8s}{r['params']:8d}{r['payload']:18d} |{m['clients']:16d}{m['rss_per_client']:19.0f}"
             f"{m['rss_per_client'] - r['payload']:10.0f} |{d['bytes_per_client']:15.0f}{d['rss_per_client']:10.0f}"
+            f"{d['checkpoint_bytes_per_client']:15.1f}{d['checkpoint_s']:8.3f}"
         )
     lines.append("(resident: RSS growth over the clients; overhead: resident minus the tensors' bytes)")
     return "\n".join(lines)

@@ -597,7 +597,7 @@ class Federation:
         return {
             "round": self.server.round,
             "server_opt": self.server_opt.state_dict(),
-            "store": self.store.state_dict(),
+            "store": self.store.state_dict(round=self.server.round),
             **({"sim_clock": self.clock.state_dict()} if self.clock is not None else {}),
         }
 

@@ -12,6 +12,8 @@ part) are kept once for the store, not per client.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,29 @@ import torch
 from torch import Tensor
 
 ClientState = dict[str, Tensor]
+_FILE = re.compile(r"client_(\d+)\.(\d+)\.pt")  # a disk store's file: client_<cid>.<tag>.pt
+
+
+def _mkdir(folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def _fsync(path: str) -> None:
+    """Makes a file (or a folder's entries) durable; best effort for folders, which not every file system opens."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if os.path.isdir(path):
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -64,8 +89,15 @@ class _Layout:
 class ClientStateStore:
     """Maps ``client_id -> {name: tensor}``; tensors are kept on the CPU (``backend="memory"``) or on disk.
 
+    On disk a client's state is a file ``client_<cid>.<tag>.pt`` that is never rewritten once a checkpoint may refer
+    to it: ``tag`` is the number of snapshots (:meth:`state_dict`) taken before the ``put`` that wrote it, so a
+    ``put`` after a snapshot writes a new file and the snapshot's stays. A snapshot holds only the ``(cid, tag)``
+    table, not the tensors: a checkpoint costs O(clients) small integers, not every client's state. Files a kept
+    checkpoint no longer needs are released by :meth:`retain` (called by ``flx.callbacks.checkpoint`` after each
+    round checkpoint with the rounds of the checkpoints it keeps).
+
     Args:
-        backend: ``"memory"`` (default) or ``"disk"`` (one file per client under ``directory``).
+        backend: ``"memory"`` (default) or ``"disk"`` (files under ``directory``).
         directory: where ``"disk"`` keeps its files.
     """
 
@@ -78,7 +110,15 @@ class ClientStateStore:
         self.directory = directory
         self._layouts: dict[tuple, _Layout] = {}
         self._mem: dict[int, tuple[_Layout, tuple[Tensor, ...]]] = {}
-        self._on_disk: set[int] = set()
+        # disk: the tag new files get, each client's current tag, superseded files a snapshot may still need
+        # ((tag, superseded at tag)), the snapshots taken (tag -> round, -1 when unlabelled), the clients written since
+        # the last snapshot (fsynced at the next), and files found at a load that nothing refers to
+        self._gen = 0
+        self._tag: dict[int, int] = {}
+        self._old: dict[int, list[tuple[int, int]]] = {}
+        self._snapshots: dict[int, int] = {}
+        self._unsynced: set[int] = set()
+        self._stale: list[str] = []
 
     def bind_rank(self, rank: int, world_size: int) -> None:
         """Under N processes each rank keeps a full copy; on disk, in its own sub-folder."""
@@ -86,27 +126,27 @@ class ClientStateStore:
             self.directory = os.path.join(str(self.directory), f"rank{rank}")
 
     def __contains__(self, cid: int) -> bool:
-        return cid in self._mem or cid in self._on_disk
+        return cid in self._mem or cid in self._tag
 
     def __len__(self) -> int:
-        return len(self._mem) + len(self._on_disk)
+        return len(self._mem) + len(self._tag)
 
     def client_ids(self) -> list[int]:
-        return sorted(set(self._mem) | self._on_disk)
+        return sorted(set(self._mem) | set(self._tag))
 
     def nbytes(self) -> int:
-        """The bytes of client state held: the tensors' bytes in memory, the files' sizes on disk."""
+        """The bytes of client state held: the tensors' bytes in memory, the current files' sizes on disk."""
         if self.backend == "disk":
-            return sum(os.path.getsize(self._path(cid)) for cid in self._on_disk)
+            return sum(os.path.getsize(self._path(cid, tag)) for cid, tag in self._tag.items())
         return sum(buf.nbytes for _, buffers in self._mem.values() for buf in buffers)
 
-    def _path(self, cid: int) -> str:
-        return os.path.join(str(self.directory), f"client_{cid}.pt")
+    def _path(self, cid: int, tag: int, directory: str | None = None) -> str:
+        return os.path.join(str(directory or self.directory), f"client_{cid}.{tag}.pt")
 
     def _stored(self, cid: int) -> ClientState:
         """The stored tensors themselves (views of the packed buffers in memory), or {} for a client never seen."""
         if self.backend == "disk":
-            return torch.load(self._path(cid), weights_only=True) if cid in self._on_disk else {}
+            return torch.load(self._path(cid, self._tag[cid]), weights_only=True) if cid in self._tag else {}
         if cid not in self._mem:
             return {}
         layout, buffers = self._mem[cid]
@@ -120,11 +160,17 @@ class ClientStateStore:
         return {k: v.to(device, copy=True) for k, v in self._stored(cid).items()}
 
     def put(self, cid: int, state: ClientState) -> None:
-        """Stores a copy of ``state`` (a new buffer: tensors handed out earlier, or saved, never change)."""
+        """Stores a copy of ``state`` (a new buffer or file: tensors handed out earlier, or saved, never change)."""
         if self.backend == "disk":
             os.makedirs(str(self.directory), exist_ok=True)
-            torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, self._path(cid))
-            self._on_disk.add(cid)
+            prev = self._tag.get(cid)
+            if prev is not None and prev != self._gen:  # a snapshot may refer to the previous file: keep it for now
+                self._old.setdefault(cid, []).append((prev, self._gen))
+            self._tag[cid] = self._gen
+            # written in place: a file of this tag is in no snapshot yet, and a kill mid-write leaves a file that
+            # nothing refers to (removed after the resume, see load_state_dict)
+            torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, self._path(cid, self._gen))
+            self._unsynced.add(cid)
             return
         key = _Layout.of(state)
         layout = self._layouts.get(key)
@@ -132,16 +178,122 @@ class ClientStateStore:
             layout = self._layouts[key] = _Layout.build(key)
         self._mem[cid] = (layout, layout.pack(state))
 
-    def state_dict(self) -> dict[str, Any]:
-        """Every client's tensors on the CPU; in memory these are views of the stored buffers, not copies (``put``
-        replaces a client's buffers and never writes into them, so a checkpoint written later sees these values)."""
-        return {"clients": {cid: self._stored(cid) for cid in self.client_ids()}}
+    def state_dict(self, round: int | None = None) -> dict[str, Any]:
+        """A snapshot of the store for a checkpoint, labelled with ``round`` (what :meth:`retain` keeps by).
+
+        In memory: every client's tensors on the CPU, views of the stored buffers, not copies (``put`` replaces a
+        client's buffers and never writes into them, so a checkpoint written later sees these values). On disk: the
+        table of each client's current file, once the files written since the last snapshot are durable (fsync),
+        so a checkpoint on disk never refers to a file that is not.
+        """
+        if self.backend == "memory":
+            return {"clients": {cid: self._stored(cid) for cid in self.client_ids()}}
+        for cid in sorted(self._unsynced):
+            _fsync(self._path(cid, self._tag[cid]))
+        if self._unsynced:
+            _fsync(str(self.directory))
+        self._unsynced.clear()
+        snapshot, self._gen = self._gen, self._gen + 1
+        self._snapshots[snapshot] = -1 if round is None else int(round)
+        old = [(cid, t, until) for cid, versions in self._old.items() for t, until in versions]
+        return {
+            "disk": {
+                "directory": os.path.abspath(str(self.directory)),
+                "snapshot": snapshot,
+                "cids": torch.tensor(list(self._tag), dtype=torch.int64),
+                "tags": torch.tensor(list(self._tag.values()), dtype=torch.int64),
+                "old": torch.tensor(old, dtype=torch.int64).reshape(-1, 3),
+                "snapshots": torch.tensor(list(self._snapshots.items()), dtype=torch.int64).reshape(-1, 2),
+            }
+        }
+
+    def retain(self, rounds: Collection[int]) -> list[str]:
+        """Forgets the snapshots not labelled with one of ``rounds`` and returns the files that neither the current
+        state nor a kept snapshot needs (and files a load found that nothing refers to), for the caller to remove once
+        its newest checkpoint is on disk. In memory nothing is kept apart from the current state: returns []."""
+        if self.backend == "memory":
+            return []
+        self._snapshots = {s: r for s, r in self._snapshots.items() if r in rounds}
+        doomed, self._stale = self._stale, []
+        for cid in list(self._old):
+            keep = []
+            for t, until in self._old[cid]:
+                # the file of tag t was current for the snapshots t .. until - 1
+                if any(t <= s < until for s in self._snapshots):
+                    keep.append((t, until))
+                else:
+                    doomed.append(self._path(cid, t))
+            if keep:
+                self._old[cid] = keep
+            else:
+                del self._old[cid]
+        return doomed
+
+    @staticmethod
+    def files_of(state: dict[str, Any]) -> list[str]:
+        """The files a disk snapshot (a checkpoint's ``["flx"]["store"]``) refers to: what must travel with the
+        checkpoint to resume it elsewhere ([] for a memory snapshot, which holds its tensors)."""
+        if "disk" not in state:
+            return []
+        table = state["disk"]
+        folder = str(table["directory"])
+        return [
+            os.path.join(folder, f"client_{c}.{t}.pt") for c, t in zip(table["cids"].tolist(), table["tags"].tolist())
+        ]
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> ClientStateStore:
+        """A memory store holding a snapshot of either backend, e.g. a checkpoint's ``["flx"]["store"]`` (a disk
+        snapshot's files are read from the folder it names)."""
+        store = cls()
+        store.load_state_dict(state)
+        return store
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a snapshot of either backend (a memory store reads a disk snapshot's files)."""
         self._mem.clear()
-        self._on_disk.clear()
-        for cid, s in state["clients"].items():
-            self.put(int(cid), s)
+        self._tag.clear()
+        self._old.clear()
+        self._snapshots.clear()
+        self._unsynced.clear()
+        if "clients" in state:  # tensors in the checkpoint (backend=memory, or written before disk tables)
+            for cid, s in state["clients"].items():
+                self.put(int(cid), s)
+            return
+        table = state["disk"]
+        source = str(table["directory"])
+        current = dict(zip(table["cids"].tolist(), table["tags"].tolist()))
+        missing = [self._path(c, t, source) for c, t in current.items() if not os.path.exists(self._path(c, t, source))]
+        if missing:
+            raise FileNotFoundError(
+                f"state_store: {len(missing)} client state file(s) of this checkpoint are gone, e.g. {missing[0]} "
+                "(on disk, only the round checkpoints kept (checkpoint.keep_last, best.ckpt) keep their client state)"
+            )
+        if self.backend == "memory":
+            for cid, tag in current.items():
+                self.put(cid, torch.load(self._path(cid, tag, source), weights_only=True))
+            return
+        # every file of this folder the snapshot does not refer to is removed at the next retain: files written after
+        # the snapshot by a killed run (no checkpoint older than the one this run writes next refers to them) or cut
+        # short by the kill. New tags start above every tag on disk, so none of them is overwritten before then.
+        own = _mkdir(str(self.directory))
+        on_disk = {}
+        for entry in os.scandir(own):
+            m = _FILE.fullmatch(entry.name)
+            if m:
+                on_disk[entry.path] = int(m.group(2))
+        self._gen = max([int(table["snapshot"]), *on_disk.values()]) + 1
+        if os.path.isdir(source) and os.path.samefile(source, own):
+            self._tag.update(current)
+            for cid, t, until in table["old"].tolist():
+                self._old.setdefault(cid, []).append((t, until))
+            self._snapshots.update(dict(table["snapshots"].tolist()))
+        else:  # another folder (another run's, or rank 0's under N processes): a copy of the current files
+            for cid, tag in current.items():
+                self.put(cid, torch.load(self._path(cid, tag, source), weights_only=True))
+        known = {self._path(c, t) for c, t in self._tag.items()}
+        known |= {self._path(c, t) for c, versions in self._old.items() for t, _ in versions}
+        self._stale = sorted(path for path in on_disk if path not in known)
 
 
 @dataclass

@@ -50,7 +50,8 @@ def test_peak_rss_of_a_real_run(tmp_path: Path) -> None:
 def test_state_store_bytes_per_client_hold_the_tensors(tmp_path: Path) -> None:
     """Ditto's state of logreg on digits is its 650 parameters (2,600 bytes): the memory store holds exactly that per
     client, a disk file at least that."""
-    got = state_memory._child("logreg", clients=50, disk_clients=5)
+    got = state_memory._child("logreg", clients=50, disk_clients=50)
     assert got["params"] == 650 and got["payload"] == 2600
     assert got["memory"]["nbytes"] == 50 * 2600
     assert got["disk"]["bytes_per_client"] >= 2600
+    assert got["disk"]["checkpoint_bytes_per_client"] < 2600 / 10  # a disk checkpoint holds a table, not the tensors

@@ -6,7 +6,9 @@ per-client state store (``checkpoint["flx"]``). A checkpoint is due every ``ever
 ``every_seconds`` have passed since the last one, at the last round, and when a requeue was requested. Files are
 ``round_NNNNN.ckpt`` (the state after NNNNN rounds), written atomically (:mod:`flx.checkpoint_io`); ``last.ckpt`` is
 a hard link to the newest, so a run killed at any instant resumes from ``checkpoints/last.ckpt``. Only the newest
-``keep_last`` round files are kept.
+``keep_last`` round files are kept. With client state on disk (``state_store.backend=disk``) a checkpoint holds a
+table of the store's files, and after each save the files that no kept checkpoint (the ``keep_last`` round files,
+``best.ckpt``) refers to are removed behind it (:meth:`flx.state.ClientStateStore.retain`).
 
 With ``monitor`` set (e.g. ``val/acc``), ``best.ckpt`` holds the round whose validation value of that metric is the
 best so far (``mode`` max or min), judged on rounds where validation ran.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -38,6 +41,7 @@ from flx.launch import slurm_job_id
 
 log = logging.getLogger(__name__)
 BEST = "best.ckpt"
+ROUND_FILE = re.compile(r"round_(\d+)\.ckpt")
 
 
 def round_file(rounds: int) -> str:
@@ -61,11 +65,22 @@ def _wait_for_writes(trainer: pl.Trainer) -> None:
         io.wait()
 
 
+def _remove(files: list[str]) -> None:
+    for file in files:
+        try:
+            os.remove(file)
+        except FileNotFoundError:
+            pass
+
+
 def _link_and_remove(path: str, last: str, old: list[str]) -> None:
     atomic_link(path, last)
-    for file in old:
-        if os.path.exists(file):
-            os.remove(file)
+    _remove(old)
+
+
+def _rounds_of(paths: list[str]) -> set[int]:
+    """The rounds whose state the round files among ``paths`` hold."""
+    return {int(m.group(1)) for p in paths if (m := ROUND_FILE.fullmatch(os.path.basename(p)))}
 
 
 class RoundCheckpoint(Checkpoint):
@@ -106,6 +121,7 @@ class RoundCheckpoint(Checkpoint):
         self.background = background
         self.best_score: float | None = None
         self.best_model_path = self.last_model_path = ""
+        self.best_round: int | None = None
         self.saved: list[str] = []
         self.requeued = False
         self._signalled = False
@@ -159,8 +175,10 @@ class RoundCheckpoint(Checkpoint):
             self._save_round(trainer, rounds)
             if best and trainer.is_global_zero:
                 _after_write(trainer, atomic_link, self.last_model_path, self.best_model_path)
+            self._release_client_state(trainer)
         elif best:
             trainer.save_checkpoint(self.best_model_path, weights_only=False)
+            self._release_client_state(trainer)
         if requeue:
             self._requeue(trainer)
 
@@ -185,6 +203,20 @@ class RoundCheckpoint(Checkpoint):
         self._last_time = time.monotonic()
         if trainer.is_global_zero:  # after the file is on disk (the writer runs jobs in order)
             _after_write(trainer, _link_and_remove, path, os.path.join(self.dirpath, LAST), self._prune())
+        else:
+            self._prune()
+
+    def _release_client_state(self, trainer: pl.Trainer) -> None:
+        """A disk state store's files that no kept checkpoint refers to are removed once the checkpoint just written
+        and the links to it (``last.ckpt``, ``best.ckpt``) are on disk (:meth:`flx.state.ClientStateStore.retain`);
+        on every rank, each in its own folder."""
+        store = getattr(getattr(trainer.lightning_module, "federation", None), "store", None)
+        if store is None or (self.best_model_path and self.best_round is None):  # a best file of unknown round
+            return
+        kept = _rounds_of(self.saved) | ({self.best_round} if self.best_model_path else set())
+        doomed = store.retain(kept)
+        if doomed:
+            _after_write(trainer, _remove, doomed)
 
     def _prune(self) -> list[str]:
         """Drops round files beyond ``keep_last`` from :attr:`saved` and returns them, for removal once the newest
@@ -209,6 +241,7 @@ class RoundCheckpoint(Checkpoint):
         ):
             return False
         self.best_score, self.best_model_path = value, os.path.join(self.dirpath, BEST)
+        self.best_round = trainer.current_epoch + 1
         return True
 
     def _requeue(self, trainer: pl.Trainer) -> None:
@@ -233,6 +266,7 @@ class RoundCheckpoint(Checkpoint):
         return {
             "best_score": self.best_score,
             "best_model_path": self.best_model_path,
+            "best_round": self.best_round,
             "last_model_path": self.last_model_path,
             "saved": list(self.saved),
         }
@@ -241,5 +275,6 @@ class RoundCheckpoint(Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best_score = state_dict.get("best_score")
         self.best_model_path = state_dict.get("best_model_path", "")
+        self.best_round = state_dict.get("best_round")
         self.last_model_path = state_dict.get("last_model_path", "")
         self.saved = list(state_dict.get("saved", []))
