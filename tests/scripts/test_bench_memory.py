@@ -23,7 +23,8 @@ def test_report_gives_ratio_and_bytes_per_extra_client(monkeypatch: pytest.Monke
     peaks = {100: 1000 * 2**20, 200_000: 1100 * 2**20}
     monkeypatch.setattr(memory, "peak_rss", lambda args, folder: {"maxrss_bytes": peaks[_clients(args)], "wall_s": 1.0})
     state = {"logreg": {"params": 650, "payload": 2600, "memory": {"clients": 10, "rss_per_client": 3000.0},
-                        "disk": {"bytes_per_client": 4400.0, "rss_per_client": 200.0}}}  # fmt: skip
+                        "disk": {"bytes_per_client": 4400.0, "rss_per_client": 200.0,
+                                 "checkpoint_bytes_per_client": 27.25, "checkpoint_s": 0.0125}}}  # fmt: skip
     monkeypatch.setattr(state_memory, "state_report", lambda quick: state)
     report = memory.memory_report(quick=True)
     assert [r["clients"] for r in report["runs"]] == [100, 200_000]
@@ -33,6 +34,7 @@ def test_report_gives_ratio_and_bytes_per_extra_client(monkeypatch: pytest.Monke
     text = memory.table(report)
     assert "ratio 1.10 (target <= 1.2: yes)" in text and "partition.num_clients=N" in text
     assert "logreg" in text and "400" in text  # the state table: 3000 resident - 2600 tensor bytes
+    assert "27.2" in text and "0.013" in text  # and a disk checkpoint's bytes per client and seconds
 
 
 def _clients(args: list[str]) -> int:
