@@ -45,22 +45,36 @@ def plain_command(w: Workload, rounds: int, marks: str, threads: int = 1) -> lis
     ]  # fmt: skip
 
 
-def timed_process(command: list, marks: str) -> dict[str, float]:
-    """Runs ``command``, which writes its round marks to ``marks``, and splits its wall-clock time; raises with the
-    process's stderr when it fails."""
+def timed_processes(commands: list[list], marks: list[str]) -> list[dict[str, float]]:
+    """Starts ``commands`` together (each writes its round marks to its ``marks`` file), waits for all, and splits
+    each one's wall-clock time from the common start; raises with a process's stderr when it fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "src")]), "PYTHONWARNINGS": "ignore"}
     start = time.time()
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    end = time.time()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:3])} ... failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    m = json.loads(Path(marks).read_text())
-    return {
-        "total": end - start,
-        "startup": m["train_start"] - start,
-        "rounds": m["train_end"] - m["train_start"],
-        "after": end - m["train_end"],
-    }
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
+    out = []
+    for command, proc, m in zip(commands, procs, marks):
+        _, err = proc.communicate(timeout=1800)
+        end = time.time()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:3])} ... failed ({proc.returncode}): {err[-2000:]}")
+        marked = json.loads(Path(m).read_text())
+        out.append(
+            {
+                "total": end - start,
+                "startup": marked["train_start"] - start,
+                "rounds": marked["train_end"] - marked["train_start"],
+                "after": end - marked["train_end"],
+            }
+        )
+    return out
+
+
+def timed_process(command: list, marks: str) -> dict[str, float]:
+    """Runs ``command``, which writes its round marks to ``marks``, and splits its wall-clock time."""
+    return timed_processes([command], [marks])[0]
 
 
 def _median(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -100,10 +114,16 @@ SCALE_OUT = {  # name: (flx overrides, torch threads per process)
 }
 
 
+# the machine's own ceiling for 2 workers: the plain loop alone, and two copies of it started together (each does the
+# whole work; with no shared resource each would take as long as one alone: 2 x alone / side by side = 2.0)
+MACHINE = {"plain 1 process alone": 1, "plain 2 side by side": 2}
+
+
 def scale_out(w: Workload, rounds: int, repeats: int) -> dict[str, Any]:
     """The same flx run on 1 process with 1 and with 2 threads and on 2 processes (DDP, gloo) of 1 thread each,
-    interleaved ``repeats`` times: medians of the round time and of the whole process."""
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in SCALE_OUT}
+    interleaved ``repeats`` times with the plain loop alone and two plain loops side by side (``MACHINE``): medians of
+    the round time and of the whole process, and the speed-up two workers can have on this machine at most."""
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in [*SCALE_OUT, *MACHINE]}
     with tempfile.TemporaryDirectory(prefix="flx-bench-scale-") as tmp:
         for i in range(repeats):
             for name, (extra, threads) in SCALE_OUT.items():
@@ -114,12 +134,19 @@ def scale_out(w: Workload, rounds: int, repeats: int) -> dict[str, Any]:
                 runs[name].append(timed_process(flx_command(w, rounds, out, marks, threads, extra), marks))
                 r = runs[name][-1]
                 print(f"  [{w.key}] {name}: rounds {r['rounds']:.2f}s  total {r['total']:.2f}s", flush=True)
+            for name, copies in MACHINE.items():
+                marks = [os.path.join(tmp, f"p{i}-{name[:5]}-{c}.json") for c in range(copies)]
+                both = timed_processes([plain_command(w, rounds, m) for m in marks], marks)
+                runs[name].append({k: statistics.mean(r[k] for r in both) for k in both[0]})
+                r = runs[name][-1]
+                print(f"  [{w.key}] {name}: rounds {r['rounds']:.2f}s  total {r['total']:.2f}s", flush=True)
     med = {k: _median(v) for k, v in runs.items()}
-    one, two_threads, two = (med[k] for k in SCALE_OUT)
+    one, two_threads, two, alone, side = (med[k] for k in [*SCALE_OUT, *MACHINE])
     return {
         "median": med,
         "speedup_rounds_2proc_vs_1x1": one["rounds"] / two["rounds"],
         "speedup_rounds_1x2_vs_1x1": one["rounds"] / two_threads["rounds"],
         "total_2proc_over_1x2": two["total"] / two_threads["total"],
+        "machine_ceiling": 2 * alone["rounds"] / side["rounds"],
         "runs": runs,
     }

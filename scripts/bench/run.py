@@ -188,6 +188,11 @@ def scale_table(r: dict[str, Any]) -> str:
     lines = [f"{'':24s}{'rounds s':>10s}{'total s':>10s}{'start-up s':>12s}"]
     for name, m in r["median"].items():
         lines.append(f"{name:24s}{m['rounds']:10.2f}{m['total']:10.2f}{m['startup']:12.2f}")
+    if "machine_ceiling" in r:
+        lines.append(
+            f"this machine: two plain loops side by side each run {2 / r['machine_ceiling']:.2f}x as long as one alone:"
+            f" 2 workers can be at most {r['machine_ceiling']:.2f}x faster than 1 here"
+        )
     lines.append(
         f"rounds: 2 processes x 1 thread are {r['speedup_rounds_2proc_vs_1x1']:.2f}x faster than 1 x 1 (target >= 1.7),"
         f" 1 x 2 threads {r['speedup_rounds_1x2_vs_1x1']:.2f}x; whole process: 2 x 1 / 1 x 2 ="
