@@ -35,6 +35,7 @@ from flx.callbacks.qffl import QFFL
 from flx.callbacks.subnetwork import MAX_LEVELS, Subnetwork
 from flx.datamodules.datamodule import ClientStore
 from flx.federation import Federation
+from flx.hooks import FederatedCallback
 from flx.models.scalable import ScalableCNN
 from flx.resources import ServerResources
 from flx.systems.simulator import LatencySimulator
@@ -246,3 +247,43 @@ def test_a_round_is_one_reduce_and_two_ranks_equal_one(name: str) -> None:
             torch.testing.assert_close(fed.store.get(cid), single.store.get(cid), rtol=0, atol=1e-12)
     for got in losses:
         torch.testing.assert_close(got, single_losses, rtol=0, atol=1e-12)
+
+
+class _Repeat(FederatedCallback):
+    """Test part: the same cohort every round, client 0 drawn three times."""
+
+    def sample_clients(self, fed: Federation, round_idx: int, rng: Any) -> list[int]:
+        return [0, 1, 0, 2, 0]
+
+
+class _LastModel(FederatedCallback):
+    """Test part: each local run stores its trained weights as the client's state (different for every copy)."""
+
+    def on_client_end(self, fed: Federation, client: Any) -> None:
+        client.state["w"] = torch.cat([p.detach().reshape(-1) for p in fed.params])
+
+
+def test_repeated_copies_of_a_stateful_client_leave_every_rank_the_one_process_state() -> None:
+    """A client drawn three times trains three copies, on whichever ranks; one process keeps the last copy's state
+    (copies run in draw order). Two ranks must keep the same one on both ranks: the copy with the highest index,
+    whichever rank trained it, not each rank its own."""
+
+    def build(**kw: Any) -> Federation:
+        data = toy_data([7, 12, 30, 4], dtype=torch.float64)
+        parts = [_Repeat(), _LastModel()]
+        return make_fed(_net(), data, parts=parts, duplicates="repeat", **{**MULTICLASS, "clients_per_round": 5}, **kw)
+
+    group = Group(2)
+    ranks = [build(rank=r, world_size=2, reduce_sum=group.reduce_sum(r), gather=group.gather(r)) for r in (0, 1)]
+
+    def job(rank: int) -> Callable[[], None]:
+        return lambda: run_rounds(ranks[rank], ROUNDS)
+
+    group.run([job(0), job(1)])
+    single = build()
+    run_rounds(single, ROUNDS)
+    assert single.store.client_ids() == [0, 1, 2]
+    for fed in ranks:
+        assert fed.store.client_ids() == [0, 1, 2]
+        for cid in (0, 1, 2):
+            torch.testing.assert_close(fed.store.get(cid)["w"], single.store.get(cid)["w"], rtol=0, atol=1e-12)

@@ -346,8 +346,12 @@ class Federation:
             return
         cpu = {cid: {k: v.detach().cpu() for k, v in st.items()} for cid, st in self._state_updates.items()}
         for rank, updates in enumerate(self.gather(cpu)):
-            if rank != self.rank:
-                for cid, state in updates.items():
+            if rank == self.rank:
+                continue
+            for cid, state in updates.items():
+                # a client drawn more than once keeps its last copy's state, as on one process: copies are numbered
+                # in rank order, so a later rank's copy wins and an earlier rank's does not replace this rank's own
+                if rank > self.rank or cid not in self._state_updates:
                     self.store.put(cid, state)
 
     # ------------------------------------------------------------------ client
