@@ -121,7 +121,7 @@ def _run_command_line() -> None:
         folder = str(cfg.hydra.run.dir)  # resolved now (its time stamp): every rank's folder
         with read_write(cfg.hydra):
             cfg.hydra.run.dir = folder
-        prelaunch(cfg.trainer, folder)  # trainer=ddp on one machine: the other ranks start now, beside this one
+        prelaunch(cfg.trainer, folder, cfg.get("ddp_start", "auto"))  # trainer=ddp on one machine: the other ranks
         run_composed(cfg, run, CONFIG_DIR)
     status = join_children()  # the ranks prelaunch started: a failure of theirs is the run's
     if status:

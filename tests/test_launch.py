@@ -117,21 +117,28 @@ def test_a_slurm_sweep_without_sbatch_gives_one_line(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
-def test_ddp_ranks_start_together(tmp_path: Path) -> None:
-    """``trainer=ddp trainer.devices=2`` on one machine: the second rank is started by ``flx.launch.prelaunch`` right
-    after the config check, not by Lightning at ``trainer.fit`` once this process has imported torch and Lightning
-    and loaded the data, so the two start-ups overlap: rank 1 exists within the first half of rank 0's start-up. Both
-    ranks write into one run folder and the run ends with status 0."""
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_ddp_ranks_start_together(tmp_path: Path, start: str) -> None:
+    """``trainer=ddp trainer.devices=2`` on one machine: the second rank is not started by Lightning at
+    ``trainer.fit``, once this process has imported torch and Lightning and loaded the data, to do all that again.
+    ``ddp_start=spawn``: ``flx.launch.prelaunch`` starts it right after the config check, so the two start-ups
+    overlap: rank 1 exists within the first half of rank 0's start-up. ``ddp_start=fork`` (the CPU default):
+    ``fork_ranks`` forks it from rank 0 once that is loaded, so it starts at the fit at once. Both ranks write into
+    one run folder and the run ends with status 0."""
     marks = tmp_path / "marks"
     marks.mkdir()
     out = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "trainer=ddp", *TINY, *QUIET, f"hydra.run.dir={out}"]
+    cmd = [sys.executable, "train.py", "trainer=ddp", f"ddp_start={start}", *TINY, *QUIET, f"hydra.run.dir={out}"]
     cmd += ["+callbacks.start_times._target_=helpers.StartTimes", f"+callbacks.start_times.out={marks}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **ENV})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((marks / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (r0["global_rank"], r1["global_rank"]) == (0, 1)
-    assert r1["created"] - r0["created"] < 0.5 * (r0["fit_start"] - r0["created"])
+    startup = r0["fit_start"] - r0["created"]
+    if start == "spawn":
+        assert r1["created"] - r0["created"] < 0.5 * startup
+    else:  # forked at the end of rank 0's start-up, and at the fit as soon as rank 0
+        assert r1["created"] - r0["created"] > 0.5 * startup and r1["fit_start"] - r0["fit_start"] < 0.2 * startup
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["checkpoints"]
     assert (out / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*/logs"))
 
@@ -204,8 +211,9 @@ def test_prelaunch_leaves_other_launches_alone(clean_env: pytest.MonkeyPatch, tr
     for key, value in env.items():
         clean_env.setenv(key, value)
     before, argv = dict(os.environ), list(sys.argv)
-    prelaunch(trainer, "/tmp/run-folder")
-    assert dict(os.environ) == before and sys.argv == argv
+    prelaunch(trainer, "/tmp/run-folder", "fork")
+    prelaunch(trainer, "/tmp/run-folder", "spawn")
+    assert dict(os.environ) == before and sys.argv == argv and not launch.forking()
 
 
 def test_prelaunched_ranks_skip_the_config_check(clean_env: pytest.MonkeyPatch) -> None:
@@ -229,7 +237,7 @@ def test_prelaunched_ranks_skip_the_config_check(clean_env: pytest.MonkeyPatch) 
     clean_env.setattr(sys, "argv", ["train.py", "trainer=ddp", "algo.rounds=1"])
     assert not launch.prelaunched()
     try:
-        prelaunch({"strategy": "ddp", "devices": 2}, "/tmp/run-folder")
+        prelaunch({"strategy": "ddp", "devices": 2}, "/tmp/run-folder", "spawn")
     finally:
         assert launch.join_children() == 0  # forgets the (fake) child
     [(command, env)] = started
@@ -240,18 +248,69 @@ def test_prelaunched_ranks_skip_the_config_check(clean_env: pytest.MonkeyPatch) 
     assert launch.prelaunched()
 
 
-def test_a_rank_that_fails_stops_the_run_at_once(tmp_path: Path) -> None:
-    """A prelaunched rank that dies (here at once, status 3) ends rank 0 within seconds with its status and one line,
-    instead of leaving it waiting in init_process_group for the 30-minute timeout."""
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_a_rank_that_fails_stops_the_run_at_once(tmp_path: Path, start: str) -> None:
+    """A rank that dies (here at once, status 3) ends rank 0 within seconds with its status and one line, instead of
+    leaving it waiting in init_process_group for the 30-minute timeout: a started one and a forked one alike."""
     script = tmp_path / "rank.py"
     script.write_text("import sys\nsys.exit(3)\n")
     code = (
-        f"import sys, time; sys.argv = [{str(script)!r}]; from flx.launch import prelaunch; "
-        f"prelaunch({{'strategy': 'ddp', 'devices': 2}}, {str(tmp_path / 'run')!r}); time.sleep(120)"
+        f"import os, sys, time; sys.argv = [{str(script)!r}]; from flx import launch; "
+        f"launch.prelaunch({{'strategy': 'ddp', 'devices': 2}}, {str(tmp_path / 'run')!r}, {start!r}); "
+        "rank = launch.fork_ranks(); rank and sys.exit(3); time.sleep(120)"
     )
     env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, "WORLD_SIZE", "MASTER_PORT")}
-    start = time.monotonic()
+    start_time = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start_time < 60
     assert flx_lines(proc.stderr) == ["flx: error: rank 1 exited with status 3; the run stops"]
+
+
+def test_a_forked_rank_dies_with_rank_zero(tmp_path: Path) -> None:
+    """Rank 0 killed (SIGKILL, as the OOM killer would): the rank it forked does not live on in a collective."""
+    pid_file = tmp_path / "child"
+    code = (
+        "import os, sys, time; from flx import launch; "
+        "launch.prelaunch({'strategy': 'ddp', 'devices': 2, 'accelerator': 'cpu'}, '/tmp/unused'); "
+        f"rank = launch.fork_ranks(); rank and open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, "WORLD_SIZE", "MASTER_PORT")}
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert os.path.exists(f"/proc/{child}")
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}"), "the forked rank outlived rank 0"
+
+
+@pytest.mark.parametrize(
+    ("trainer", "start", "gpu", "forks"),
+    [
+        ({}, "auto", False, True),
+        ({}, "auto", True, False),
+        ({"accelerator": "cpu"}, "auto", True, True),
+        ({"accelerator": "gpu"}, "auto", False, False),
+        ({"accelerator": "gpu"}, "fork", True, True),
+        ({"accelerator": "cpu"}, "spawn", False, False),
+    ],
+)
+def test_ddp_start_auto_forks_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, trainer: dict, start: str, gpu: bool, forks: bool
+) -> None:
+    """``ddp_start=auto`` forks the ranks of a CPU run (``trainer.accelerator=cpu``, or ``auto`` on a machine without
+    a GPU device node) and spawns them otherwise (a process that used CUDA cannot fork); fork and spawn are taken as
+    said."""
+    import glob
+
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"] if gpu and "nvidia" in pattern else [])
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    assert launch._forks(trainer, start) is forks

@@ -28,6 +28,7 @@ OmegaConf.register_new_resolver("flx_run_name", run_name, use_cache=True, replac
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
 STRATEGIES = ("auto", "ddp", "flx_ddp")
+DDP_STARTS = ("auto", "fork", "spawn")  # how the other ranks of a one-machine DDP run start (flx.launch.prelaunch)
 
 
 def group_options(group: str, config_dir: str = CONFIG_DIR) -> list[str]:
@@ -334,6 +335,9 @@ def _check_trainer(cfg: DictConfig) -> None:
     if not (ok or (isinstance(limit, float) and 0 < limit <= 1)):
         allowed = "null, an integer >= 1 (clients per rank and round) or a fraction in (0, 1]"
         raise bad_value("trainer.limit_train_batches", limit, f"allowed: {allowed}")
+    start = cfg.get("ddp_start", "auto")
+    if start not in DDP_STARTS:
+        raise bad_value("ddp_start", start, f"allowed: {', '.join(DDP_STARTS)}")
     world = _world_size(cfg)
     if world > 1 and strategy == "auto":
         raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")

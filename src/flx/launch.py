@@ -180,13 +180,22 @@ def prelaunched() -> bool:
     return os.environ.get(PRELAUNCHED) == "1"
 
 
-def prelaunch(trainer: Mapping[str, Any], folder: str) -> None:
-    """Starts the other ranks of a one-machine ``trainer=ddp`` run now, before this process imports torch and
-    Lightning and loads the data, so that every rank's start-up runs at once (Lightning's own launcher starts them at
-    ``trainer.fit``, after this process's start-up: seconds later). Each child re-runs this command with
-    ``LOCAL_RANK=i`` and the run folder ``folder`` (every rank writes into one folder), as Lightning's launcher
-    would; this process becomes rank 0
-    (``LOCAL_RANK=0``), so Lightning finds the processes started and launches none.
+def prelaunch(trainer: Mapping[str, Any], folder: str, start: str = "auto") -> None:
+    """Starts, or plans, the other ranks of a one-machine ``trainer=ddp`` run; this process becomes rank 0
+    (``LOCAL_RANK=0``), so Lightning finds the processes started and launches none. Every rank writes into the run
+    folder ``folder``. Lightning's own launcher would start the other ranks at ``trainer.fit``, each then importing
+    torch and Lightning and loading the data after this process has done so: seconds later, twice the work.
+
+    ``start`` (``ddp_start``):
+
+    * ``fork``: :func:`fork_ranks` forks them from this process once it has imported and loaded (``flx.run.train``,
+      just before ``trainer.fit``). They start with everything loaded and share its memory pages (the dataset is
+      in memory once), and this process loads the data beside its imports on the cores they have not taken yet
+      (``flx.datamodules.prefetch``). CPU only: a process that has used CUDA cannot fork.
+    * ``spawn``: started now, before this process imports anything heavy: each child re-runs this command with
+      ``LOCAL_RANK=i`` as Lightning's launcher would, and every rank's start-up runs at once.
+    * ``auto``: ``fork`` when the run is on the CPU (``trainer.accelerator=cpu``, or ``auto`` on a machine that shows
+      no GPU device), else ``spawn``.
 
     Nothing happens for one device, several nodes, a SLURM job (SLURM starts the tasks), a process that was itself
     launched (``LOCAL_RANK`` / ``RANK`` set) or a sweep. The children die with this process, and this process exits
@@ -201,17 +210,95 @@ def prelaunch(trainer: Mapping[str, Any], folder: str) -> None:
         return
     if any(os.environ.get(k) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")):
         return
-    import subprocess
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NODE_RANK="0", WORLD_SIZE=str(devices))
     args = [a for a in sys.argv[1:] if not a.startswith("hydra.run.dir=")]
-    command = [sys.executable, os.path.abspath(sys.argv[0]), *args, f"hydra.run.dir={folder}"]
-    for rank in range(1, devices):
-        env = {**os.environ, "LOCAL_RANK": str(rank), PRELAUNCHED: "1"}
-        _children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
-    threading.Thread(target=_watch, args=(_children,), name="flx-rank-watch", daemon=True).start()
+    if _forks(trainer, start):
+        _fork_plan[:] = range(1, devices)
+    else:
+        import subprocess
+
+        command = [sys.executable, os.path.abspath(sys.argv[0]), *args, f"hydra.run.dir={folder}"]
+        for rank in range(1, devices):
+            env = {**os.environ, "LOCAL_RANK": str(rank), PRELAUNCHED: "1"}
+            _children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
+        threading.Thread(target=_watch, args=(_children,), name="flx-rank-watch", daemon=True).start()
     os.environ["LOCAL_RANK"] = "0"
     sys.argv = [sys.argv[0], *args, f"hydra.run.dir={folder}"]
+
+
+_fork_plan: list[int] = []  # the ranks fork_ranks starts from this process (prelaunch with start=fork)
+
+
+def _forks(trainer: Mapping[str, Any], start: str) -> bool:
+    """Whether ``start`` (``ddp_start``) means forking the ranks for this trainer config."""
+    if start != "auto":
+        return start == "fork"
+    accelerator = str(trainer.get("accelerator") or "auto")
+    if accelerator != "auto":
+        return accelerator == "cpu"
+    import glob  # a GPU this process could use: NVIDIA's or AMD's device nodes (without importing torch)
+
+    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
+def forking() -> bool:
+    """Whether :func:`fork_ranks` will fork the run's other ranks from this process: until then it is the run's only
+    process, with every core of the machine to itself."""
+    return bool(_fork_plan)
+
+
+def threads_until_fork(num_threads: int | None) -> int | None:
+    """The torch threads (``num_threads``) this process runs on until :func:`fork_ranks`: 1 while it is to fork the
+    other ranks (OpenMP threads that have run are not forked: a child would hang at its first parallel op), else
+    ``num_threads`` (None: torch's default)."""
+    return 1 if forking() else num_threads
+
+
+class _Forked:
+    """A rank :func:`fork_ranks` forked, with the part of ``subprocess.Popen``'s interface the watcher uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        with self._lock:  # the watcher thread and join_children may ask at once: one of them reaps the child
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.02)
+        return int(self.returncode)  # type: ignore[arg-type]
+
+
+def fork_ranks() -> int:
+    """Forks the ranks :func:`prelaunch` planned (``start=fork``) and returns this process's rank: 0 here, ``i`` in the
+    child that continues from here as rank ``i`` (``LOCAL_RANK=i``; it dies with this process). Call it once the
+    run's start-up is done and before any thread other than the caller's runs (a forked child has only the forking
+    thread) and before torch has run on more than one thread (OpenMP's threads are not forked: a child that used
+    them would hang)."""
+    if not _fork_plan:
+        return process_rank()
+    ranks, _fork_plan[:] = list(_fork_plan), []
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in ranks:
+        pid = os.fork()
+        if pid == 0:
+            _children.clear()
+            os.environ.update({"LOCAL_RANK": str(rank), PRELAUNCHED: "1"})
+            _die_with_parent()
+            if os.getppid() != parent:  # rank 0 died before the line above took effect
+                os._exit(1)
+            return rank
+        _children.append(_Forked(pid))
+    threading.Thread(target=_watch, args=(_children,), name="flx-rank-watch", daemon=True).start()
+    return 0
 
 
 def exit_status(code: int) -> int:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx.config import data_protocol
 from flx.errors import instantiate
+from flx.launch import forking, threads_until_fork
 
 
 class _Load:
@@ -44,8 +45,9 @@ class _Load:
         self.data: Any = None
         self.error: BaseException | None = None
         own = OmegaConf.create({"data": OmegaConf.to_container(cfg.data, resolve=True)})  # the thread's own copy
-        if cfg.get("num_threads"):  # as flx.run.build sets it before its load
-            torch.set_num_threads(int(cfg.num_threads))
+        threads = threads_until_fork(cfg.get("num_threads"))
+        if threads:  # as flx.run.build sets it before its load
+            torch.set_num_threads(int(threads))
         loader, protocol = instantiate(own.data.loader), data_protocol(own)
         self._thread = threading.Thread(
             target=self._run, args=(load, loader, protocol), name="flx-data-prefetch", daemon=True
@@ -77,7 +79,8 @@ def spare_core() -> bool:
     """Whether this process has a core for the load beside its imports: at least two usable cores per process of the
     run (``WORLD_SIZE`` / ``SLURM_NTASKS``, counted as if all on this machine). Two ranks on two cores would each run
     the load against the other rank's imports: nothing to gain (the 2-rank start-up measured alike either way)."""
-    processes = max(int(os.environ.get(k) or 1) for k in ("WORLD_SIZE", "SLURM_NTASKS"))
+    # ranks that flx.launch.fork_ranks forks later do not exist yet: this process loads and imports alone
+    processes = 1 if forking() else max(int(os.environ.get(k) or 1) for k in ("WORLD_SIZE", "SLURM_NTASKS"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cores >= 2 * processes
 
