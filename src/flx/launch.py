@@ -284,9 +284,14 @@ def fork_ranks() -> int:
     if not _fork_plan:
         return process_rank()
     ranks, _fork_plan[:] = list(_fork_plan), []
+    import gc
+
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
+    # the objects made so far (torch's and Lightning's modules, the run) are left out of every later collection: a
+    # collection would otherwise write to each of them and copy every page rank 0 and its children share
+    gc.freeze()
     for rank in ranks:
         pid = os.fork()
         if pid == 0:
