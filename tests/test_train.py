@@ -201,6 +201,16 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
     # fed.on_server over the real process group: one rank ran it, both received rank 0's result (0 + 0), each round
     checks = next(v for k, v in two["callbacks"].items() if "VisitCounter" in k)["server_checks"]
     assert checks == [[1.0, 0.0]] * 3
+    # resumed on 2 processes in its own folder from round 2: each rank reloads the store into its own folder (rank 0
+    # adopts its files, rank 1 copies rank 0's; round 3's files of the first run are dropped), and round 3 comes out
+    # the same
+    round2 = str(tmp_path / "two" / "checkpoints" / "round_00002.ckpt")
+    ddp_disk = ["trainer=ddp", "trainer.devices=2", "state_store.backend=disk"]
+    _cli(tmp_path / "two", *common, *ddp_disk, f"ckpt_path={round2}")
+    again = _final(tmp_path / "two")
+    assert all(torch.equal(again["state_dict"][k], two["state_dict"][k]) for k in two["state_dict"])
+    store = ClientStateStore.from_state_dict(again["flx"]["store"])
+    assert {c: float(store.get(c)["visits"]) for c in store.client_ids()} == visits[1]
 
 
 def test_per_client_summary_matches_manual_evaluation(tmp_path: Path) -> None:

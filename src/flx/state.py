@@ -123,6 +123,8 @@ class ClientStateStore:
     def bind_rank(self, rank: int, world_size: int) -> None:
         """Under N processes each rank keeps a full copy; on disk, in its own sub-folder."""
         if self.backend == "disk" and world_size > 1 and not str(self.directory).endswith(f"rank{rank}"):
+            if self._tag:  # its files are in the folder it had: the state would silently be another rank's, or none
+                raise RuntimeError(f"state store: bound to rank {rank} after storing client state in {self.directory}")
             self.directory = os.path.join(str(self.directory), f"rank{rank}")
 
     def __contains__(self, cid: int) -> bool:

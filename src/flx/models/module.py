@@ -86,6 +86,9 @@ class FederatedModule(pl.LightningModule):
         tracked = any(isinstance(lg, WandbLogger) for lg in self.trainer.loggers)
         for metrics in self.metrics.values():
             metrics.track_client_loss = tracked
+        # before Lightning restores a checkpoint (after setup, before on_fit_start): a disk store must load it into
+        # this rank's folder
+        self.federation.store.bind_rank(self.trainer.global_rank, self.trainer.world_size)
 
     # ------------------------------------------------------------------ federated training
     def on_fit_start(self) -> None:
