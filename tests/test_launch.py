@@ -314,3 +314,19 @@ def test_ddp_start_auto_forks_on_the_cpu(
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"] if gpu and "nvidia" in pattern else [])
     monkeypatch.setattr(os.path, "exists", lambda path: False)
     assert launch._forks(trainer, start) is forks
+
+
+def test_forking_rank_zero_runs_one_thread_until_the_fork_then_every_rank_num_threads() -> None:
+    """Until the fork torch runs on one thread (a child of a process that had used OpenMP's threads hangs at its first
+    parallel op); after it every rank runs on ``num_threads`` and a multi-threaded matmul completes on both."""
+    code = (
+        "import torch; from flx import launch; "
+        "launch.prelaunch({'strategy': 'ddp', 'devices': 2, 'accelerator': 'cpu'}, '/tmp/unused'); "
+        "torch.set_num_threads(launch.threads_until_fork(3)); before = torch.get_num_threads(); "
+        "x = torch.randn(600, 600); x @ x; rank = launch.fork_ranks(); y = x @ x; "
+        "print(rank, before, torch.get_num_threads(), flush=True); rank or launch.join_children()"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(proc.stdout.split("\n")[:2]) == ["0 1 3", "1 1 3"]

@@ -250,8 +250,18 @@ def forking() -> bool:
 def threads_until_fork(num_threads: int | None) -> int | None:
     """The torch threads (``num_threads``) this process runs on until :func:`fork_ranks`: 1 while it is to fork the
     other ranks (OpenMP threads that have run are not forked: a child would hang at its first parallel op), else
-    ``num_threads`` (None: torch's default)."""
-    return 1 if forking() else num_threads
+    ``num_threads`` (None: torch's default). :func:`fork_ranks` gives every rank ``num_threads`` (or torch's default
+    as found at the first call) once it has forked."""
+    if not forking():
+        return num_threads
+    if not _threads_after_fork:
+        import torch  # imported by then: the callers set torch's threads
+
+        _threads_after_fork.append(int(num_threads or torch.get_num_threads()))
+    return 1
+
+
+_threads_after_fork: list[int] = []
 
 
 class _Forked:
@@ -300,10 +310,20 @@ def fork_ranks() -> int:
             _die_with_parent()
             if os.getppid() != parent:  # rank 0 died before the line above took effect
                 os._exit(1)
+            _set_threads()
             return rank
         _children.append(_Forked(pid))
     threading.Thread(target=_watch, args=(_children,), name="flx-rank-watch", daemon=True).start()
+    _set_threads()
     return 0
+
+
+def _set_threads() -> None:
+    """After the fork: the torch threads :func:`threads_until_fork` held back."""
+    if _threads_after_fork:
+        import torch
+
+        torch.set_num_threads(_threads_after_fork[0])
 
 
 def exit_status(code: int) -> int:

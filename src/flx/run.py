@@ -27,7 +27,7 @@ from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
-from flx.launch import fork_ranks, forking, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
+from flx.launch import fork_ranks, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule
 from flx.resources import build_server_resources
@@ -231,12 +231,9 @@ def print_final_line(metrics: dict[str, float], names: tuple[str, ...]) -> None:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``)."""
     ckpt_path = resume_path(cfg)
-    default_threads = torch.get_num_threads()
     dm, module, trainer = build(cfg)
     save_config(cfg, dm)
-    if forking():  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
-        fork_ranks()
-        torch.set_num_threads(int(cfg.get("num_threads") or default_threads))
+    fork_ranks()  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     if getattr(trainer.checkpoint_callback, "requeued", False):  # the callback said so before asking SLURM
         finish(trainer)
