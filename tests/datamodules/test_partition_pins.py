@@ -170,8 +170,9 @@ def test_the_partition_file_is_json_dumps_of_the_clients(tmp_path: Path) -> None
     save_partition(tmp_path / "p.json", split)
     clients = [{"train": tr.tolist(), "test": te.tolist()} for tr, te in zip(split.train, split.test)]
     assert (tmp_path / "p.json").read_text() == json.dumps({"clients": clients})
-    train, test = read_partition_file(str(tmp_path / "p.json"))
-    assert np.array_equal(train.values, split.train.values) and np.array_equal(test.offsets, split.test.offsets)
+    train, test = read_partition_file(str(tmp_path / "p.json"))  # read all clients at once (well formed)
+    for got, want in ((train, split.train), (test, split.test)):
+        assert np.array_equal(got.values, want.values) and np.array_equal(got.offsets, want.offsets)
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,12 @@ def test_from_file_puts_every_sample_in_exactly_one_client(tmp_path: Path) -> No
         ([{"train": [0, 1]}, {"train": [2, 3]}], "1 of the 5 training rows (e.g. row 4) are in no client"),
         ([{"train": [0, -1]}], "client 0 'train' must be a list of non-negative integers"),
         ([{"train": []}], "client 0 has no training rows"),
+        ([{"train": [0, True]}], "client 0 'train' must be a list of non-negative integers"),
+        ([{"train": [0, 1.5]}], "client 0 'train' must be a list of non-negative integers"),
+        ([{"train": [0, 1, 2, 3, 4], "test": 5}], "client 0 'test' must be a list of non-negative integers"),
+        ([{"train": [0]}, {"train": [1], "rows": []}], "client 1 must be an object with 'train' and optional 'test'"),
+        ([{"train": [0]}, [1]], "client 1 must be an object with 'train' and optional 'test'"),
+        ([{"test": [0]}], "client 0 must be an object with 'train' and optional 'test'"),
     ],
 )
 def test_bad_partition_files_are_one_line(tmp_path: Path, clients: list, match: str) -> None:

@@ -8,6 +8,7 @@ one client.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,36 @@ def check_disjoint(arrays: dict[str, np.ndarray], size: int, key: str, path: str
         raise bad_value(key, path, f"row {row} is listed in {twice}; every row may appear once")
 
 
+def _well_formed(clients: list[Any]) -> tuple[Ragged[np.ndarray], Ragged[np.ndarray]] | None:
+    """Every client's rows at once when the file is well formed (each entry an object with a non-empty ``train`` list
+    and an optional ``test`` list, of non-negative integers), else None: the per-client reading then names what is
+    wrong. A few passes over the file's lists in C instead of one Python check per row (a million clients: ~1 s
+    instead of ~8)."""
+    allowed = {"train", "test"}
+    if set(map(type, clients)) != {dict} or not all(map(allowed.issuperset, clients)):
+        return None
+    if not all(map(dict.__contains__, clients, itertools.repeat("train"))):
+        return None
+    empty: list[int] = []
+    lists = [[c["train"] for c in clients], [c.get("test", empty) for c in clients]]
+    out = []
+    for arrays in lists:
+        if not set(map(type, arrays)) <= {list}:
+            return None
+        flat = list(itertools.chain.from_iterable(arrays))
+        if flat and set(map(type, flat)) != {int}:  # bools and floats are not row indices
+            return None
+        try:
+            values = np.asarray(flat, dtype=np.int64) if flat else np.empty(0, np.int64)
+        except OverflowError:
+            return None
+        if len(values) and values.min() < 0:
+            return None
+        out.append(Ragged.from_sizes(values, np.fromiter(map(len, arrays), np.int64, len(arrays))))
+    train, test = out
+    return None if (train.sizes() == 0).any() else (train, test)
+
+
 def read_partition_file(path: str) -> tuple[Ragged[np.ndarray], Ragged[np.ndarray]]:
     """Each client's ``train`` and ``test`` rows from ``path`` (structure checked here, ranges in
     :func:`check_covers`)."""
@@ -61,6 +92,9 @@ def read_partition_file(path: str) -> tuple[Ragged[np.ndarray], Ragged[np.ndarra
     clients = obj.get("clients") if isinstance(obj, dict) else None
     if not isinstance(clients, list) or not clients:
         raise bad_value(KEY, path, 'must hold {"clients": [{"train": [...], "test": [...]}, ...]} with >= 1 client')
+    rows = _well_formed(clients)
+    if rows is not None:
+        return rows
     train, test = [], []
     for c, entry in enumerate(clients):
         if not isinstance(entry, dict) or "train" not in entry or set(entry) - {"train", "test"}:
