@@ -333,7 +333,9 @@ def test_forking_rank_zero_runs_one_thread_until_the_fork_then_every_rank_num_th
         "launch.prelaunch({'strategy': 'ddp', 'devices': 2, 'accelerator': 'cpu'}, '/tmp/unused'); "
         "torch.set_num_threads(launch.threads_until_fork(3)); before = torch.get_num_threads(); "
         "x = torch.randn(600, 600); x @ x; rank = launch.fork_ranks(); y = x @ x; "
-        "print(rank, before, torch.get_num_threads(), flush=True); rank or launch.join_children()"
+        # one write per rank: the two ranks print at once into one pipe
+        "import os; os.write(1, f'{rank} {before} {torch.get_num_threads()}\\n'.encode()); "
+        "rank or launch.join_children()"
     )
     env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
