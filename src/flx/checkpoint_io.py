@@ -31,6 +31,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from flx.state import fsync
+
 LAST = "last.ckpt"  # the newest round checkpoint of a run folder (a hard link; flx.callbacks.checkpoint)
 PARTIAL_WRITE = re.compile(r"\..+\.tmp-\d+")  # the name of a write in progress, or one a kill cut short
 
@@ -55,7 +57,7 @@ def atomic_write_bytes(data: bytes, path: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync_dir(folder)
+    fsync(folder)  # the rename itself
 
 
 def atomic_link(src: str, dst: str) -> None:
@@ -71,20 +73,6 @@ def atomic_link(src: str, dst: str) -> None:
             os.remove(tmp)
         with open(src, "rb") as f:
             atomic_write_bytes(f.read(), dst)
-
-
-def _fsync_dir(folder: str) -> None:
-    """Makes the rename itself durable (best effort: not every file system supports opening a directory)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def load(path: str, mmap: bool = False) -> dict[str, Any]:

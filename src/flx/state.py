@@ -29,8 +29,9 @@ def _mkdir(folder: str) -> str:
     return folder
 
 
-def _fsync(path: str) -> None:
-    """Makes a file (or a folder's entries) durable; best effort for folders, which not every file system opens."""
+def fsync(path: str) -> None:
+    """Makes a file (or a folder's entries, e.g. a rename) durable; best effort for folders, which not every file system
+    opens or syncs."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -191,9 +192,9 @@ class ClientStateStore:
         if self.backend == "memory":
             return {"clients": {cid: self._stored(cid) for cid in self.client_ids()}}
         for cid in sorted(self._unsynced):
-            _fsync(self._path(cid, self._tag[cid]))
+            fsync(self._path(cid, self._tag[cid]))
         if self._unsynced:
-            _fsync(str(self.directory))
+            fsync(str(self.directory))
         self._unsynced.clear()
         snapshot, self._gen = self._gen, self._gen + 1
         self._snapshots[snapshot] = -1 if round is None else int(round)
