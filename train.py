@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 
@@ -22,8 +23,28 @@ def _exit_without_teardown() -> None:
     os._exit(_STATUS[0])
 
 
+# whether __main__ turned the garbage collector off for the start-up (turned back on by _start_collecting)
+_GC_PAUSED = [False]
+
+
+def _start_collecting() -> None:
+    """Turns the garbage collector back on once torch, Lightning and flx are imported, after moving what the start-up
+    made (~800,000 objects, almost all module-level and alive to the end) into the permanent generation
+    (``gc.freeze``), which no later collection scans. ``__main__`` turns collection off before its first import (the
+    pattern of Python's ``gc.freeze`` documentation): the imports alone triggered ~7 full collections of that growing
+    heap (~0.6 s each by the end), and every full collection of a round scanned it again. What the imports left
+    unreachable is frozen with the rest: ~13,000 objects, ~8 MB, once. Once per process, and only where ``__main__``
+    paused it: the next job of a sweep, or a caller that imported this module, finds nothing to do."""
+    if _GC_PAUSED[0]:
+        _GC_PAUSED[0] = False
+        gc.freeze()
+        gc.enable()
+
+
 if __name__ == "__main__":
     atexit.register(_exit_without_teardown)
+    gc.disable()  # until _start_collecting
+    _GC_PAUSED[0] = True
 
 import errno  # noqa: E402
 from typing import Any  # noqa: E402
@@ -75,6 +96,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from flx.faults import RunFailure
     from flx.launch import as_single_run
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
+
+    _start_collecting()
 
     try:
         with as_single_run():

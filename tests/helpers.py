@@ -187,17 +187,20 @@ def process_start_time(pid: int | str = "self") -> float:
 
 
 class StartTimes(FederatedCallback):
-    """Writes ``rank<LOCAL_RANK>.json`` to ``out`` at fit start: the process's creation time and the fit start."""
+    """Writes ``rank<LOCAL_RANK>.json`` to ``out`` at fit start: the process's creation time, the fit start, and the
+    garbage collector's state (on, and how many objects ``gc.freeze`` left out of its collections)."""
 
     def __init__(self, out: str) -> None:
         self.out = out
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        import gc
         import json
         import os
         import time
 
         rank = os.environ.get("LOCAL_RANK", "0")
         record = {"created": process_start_time(), "fit_start": time.time(), "global_rank": trainer.global_rank}
+        record.update(gc_enabled=gc.isenabled(), gc_frozen=gc.get_freeze_count())
         with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)

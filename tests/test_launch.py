@@ -124,7 +124,8 @@ def test_ddp_ranks_start_together(tmp_path: Path, start: str) -> None:
     ``ddp_start=spawn``: ``flx.launch.prelaunch`` starts it right after the config check, so the two start-ups
     overlap: rank 1 exists within the first half of rank 0's start-up. ``ddp_start=fork`` (the CPU default):
     ``fork_ranks`` forks it from rank 0 once that is loaded, so it starts at the fit at once. Both ranks write into
-    one run folder and the run ends with status 0."""
+    one run folder and the run ends with status 0. In each rank the garbage collector is on again at the fit, with
+    the start-up's objects (torch's and Lightning's modules) frozen out of its collections (``train.py``)."""
     marks = tmp_path / "marks"
     marks.mkdir()
     out = tmp_path / "run"
@@ -134,6 +135,7 @@ def test_ddp_ranks_start_together(tmp_path: Path, start: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((marks / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (r0["global_rank"], r1["global_rank"]) == (0, 1)
+    assert all(r["gc_enabled"] and r["gc_frozen"] > 100_000 for r in (r0, r1)), (r0, r1)
     startup = r0["fit_start"] - r0["created"]
     if start == "spawn":
         assert r1["created"] - r0["created"] < 0.5 * startup
