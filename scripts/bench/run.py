@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"bench: --sections: unknown {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}")
+    if args.out.is_dir():  # found before the runs, not when their results are written
+        raise SystemExit(f"bench: --out: {args.out} is a folder; give the JSON file to write ({args.out}/bench.json)")
     harness.quiet()
     harness.settings = args.settings
     # the processes this bench starts read flx's (and its own) byte code from __pycache__, as a user's second run
