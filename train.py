@@ -92,7 +92,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return _fail(err)
     from flx.datamodules import prefetch
 
-    prefetch.start(cfg)  # the data load runs while the next line imports torch, Lightning and flx (~5 s)
+    prefetch.start(cfg)  # the data load runs while the next line imports torch, Lightning and flx (~4 s)
     from flx.faults import RunFailure
     from flx.launch import as_single_run
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast

@@ -1,6 +1,6 @@
 """The run's data, loaded while the process imports Lightning: two parts of the start-up at once.
 
-``python train.py`` first imports torch, Lightning and flx (~5 s on a 2-core machine, Python byte code that holds the
+``python train.py`` first imports torch, Lightning and flx (~4 s on a 2-core machine, Python byte code that holds the
 GIL), then loads its data (drawing, reading and copying tensors, which mostly runs outside the GIL: ~1 s for the
 benchmark's 51,000 synthetic 3x32x32 images). ``train.py`` calls :func:`start` as soon as the configuration is known,
 which runs the data protocol (:func:`flx.datamodules.protocol.load` of ``data.loader``) in a background thread;
