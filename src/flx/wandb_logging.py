@@ -61,7 +61,7 @@ class WandbLogger(_LightningWandbLogger):
             self._wandb_init["settings"] = {"x_transaction_log_flush_interval": FLUSH_SECONDS}
         self._run_config: dict[str, Any] = {}
         self._described = False
-        self._step, self._pending, self.closed = 0, False, False  # W&B's step; a row not yet written; closed_runs
+        self._step, self._pending, self.closed = 0, False, False  # W&B's step; a row not yet written; close_runs
 
     def describe(self, config: Mapping[str, Any]) -> None:
         """The run config to store when the run starts (:func:`run_config`); before the run exists."""
@@ -157,11 +157,17 @@ def _flx_loggers(loggers: Sequence[Any]) -> list[WandbLogger]:
 
 
 def stored_runs(path: str) -> tuple[list[str], int]:
-    """The W&B run ids a checkpoint stored (:class:`WandbRun`; none in older checkpoints) and its rounds done. Loaded
-    weights-only and memory-mapped: only these small entries are read."""
+    """The W&B run ids a checkpoint stored (:class:`WandbRun`; none in older checkpoints or an unreadable file, which
+    the checkpoint's load reports) and its rounds done. Loaded weights-only and memory-mapped: only these small
+    entries are read."""
     import torch
 
-    ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    try:
+        ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not this function's to report
+        return [], 0
+    if not isinstance(ckpt, dict):
+        return [], 0
     return list(ckpt.get("wandb", {}).get("run_ids", [])), int(ckpt.get("epoch", -1)) + 1
 
 
