@@ -117,8 +117,11 @@ class KillMidRound(FederatedCallback):
     that round's checkpoint is still in flight: the one before it is the last on disk.
     """
 
-    def __init__(self, round: int, client: int = 2, signal: str = "SIGKILL", stall_write: float = 0.0) -> None:
+    def __init__(
+        self, round: int, client: int = 2, signal: str = "SIGKILL", stall_write: float = 0.0, delay: float = 0.0
+    ) -> None:
         self.round, self.client, self.signal, self.stall_write, self._seen = round, client, signal, stall_write, 0
+        self.delay = delay  # seconds between the client and the kill (W&B writes its file every second or so)
         self._io: object = None
 
     def setup(self, trainer: object, pl_module: object, stage: str) -> None:
@@ -148,6 +151,10 @@ class KillMidRound(FederatedCallback):
             if self._seen == self.client:
                 if not self.stall_write:
                     self._io.wait()
+                if self.delay:
+                    import time
+
+                    time.sleep(self.delay)
                 os.kill(os.getpid(), getattr(signal, self.signal))
 
 

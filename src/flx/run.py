@@ -36,7 +36,7 @@ from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
-from flx.wandb_logging import describe_run, finish
+from flx.wandb_logging import WandbLogger, WandbRun, describe_run, finish, resume_runs
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
 # the pytree notice is Lightning's own deprecation, not the user's
@@ -96,6 +96,8 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
     describe_run(loggers, cfg)  # W&B: the run config and code version, logged when its run starts (rank zero)
+    if any(isinstance(lg, WandbLogger) for lg in loggers):  # W&B: a row per round, the run id in the checkpoints
+        callbacks.append(WandbRun())
     kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
@@ -234,6 +236,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     dm, module, trainer = build(cfg)
     save_config(cfg, dm)
     fork_ranks()  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
+    resume_runs(trainer, ckpt_path)  # W&B: a resumed run continues the run its checkpoint names
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     if getattr(trainer.checkpoint_callback, "requeued", False):  # the callback said so before asking SLURM
         finish(trainer)

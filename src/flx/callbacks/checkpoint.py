@@ -38,6 +38,7 @@ from flx.checkpoint_io import LAST, PARTIAL_WRITE, AtomicCheckpointIO, atomic_li
 from flx.config import check_checkpoint
 from flx.errors import ConfigError, bad_value
 from flx.launch import slurm_job_id
+from flx.wandb_logging import close_runs
 
 log = logging.getLogger(__name__)
 BEST = "best.ckpt"
@@ -247,6 +248,7 @@ class RoundCheckpoint(Checkpoint):
     def _requeue(self, trainer: pl.Trainer) -> None:
         self.requeued, trainer.should_stop = True, True
         _wait_for_writes(trainer)  # SLURM stops the job soon after the requeue: the checkpoint must be on disk first
+        close_runs(trainer, preempting=True)  # and the W&B run finished, with this round's rows
         job = slurm_job_id()
         if trainer.is_global_zero:
             # printed before `scontrol requeue`: SLURM kills the job step soon after it, and a message printed after

@@ -68,12 +68,15 @@ EVAL_ONLY = (
 )  # logged on validated rounds only: not recorded (stale) on the others
 
 
-def record_round(history: dict[str, list[tuple[int, float]]], trainer: pl.Trainer, keys: Iterable[str]) -> None:
-    """Appends ``(round, value)`` of each of ``keys`` in ``trainer.callback_metrics`` to ``history[key]``, for round
-    ``current_epoch`` (1-based). Call it once the round's training, validation and logging are done: at the next
-    round's ``on_train_epoch_start`` and at ``on_train_end``. Evaluation keys (``EVAL_ONLY``) only on validated rounds
-    (on the others they are stale), a round at most once per key."""
-    rnd, metrics, every = trainer.current_epoch, trainer.callback_metrics, trainer.check_val_every_n_epoch
+def record_round(
+    history: dict[str, list[tuple[int, float]]], trainer: pl.Trainer, keys: Iterable[str], rnd: int | None = None
+) -> None:
+    """Appends ``(rnd, value)`` of each of ``keys`` in ``trainer.callback_metrics`` to ``history[key]``; ``rnd`` is the
+    round the values belong to, 1-based (default ``current_epoch``: the last round done, between rounds). Call it once
+    the round's training, validation and logging are done (:class:`RoundRecorder` says when). Evaluation keys
+    (``EVAL_ONLY``) only on validated rounds (on the others they are stale), a round at most once per key."""
+    rnd = trainer.current_epoch if rnd is None else rnd
+    metrics, every = trainer.callback_metrics, trainer.check_val_every_n_epoch
     validated = every is None or rnd % every == 0
     for key in keys:
         points = history.setdefault(key, [])
@@ -81,7 +84,45 @@ def record_round(history: dict[str, list[tuple[int, float]]], trainer: pl.Traine
             points.append((rnd, float(metrics[key])))
 
 
-class RoundCurves(pl.Callback):
+class RoundRecorder(pl.Callback):
+    """A callback that keeps a per-round history of logged metrics in its ``state_dict`` (:class:`RoundCurves`,
+    :class:`~flx.callbacks.line_plots.LinePlots`): when to record a round so that every checkpoint holds it.
+
+    A round is complete (the module logs ``train/loss`` in its own ``on_train_epoch_end``, after the plain callbacks'
+    epoch-end hooks) only once the checkpoint callbacks' epoch-end hooks run, and those write the round's checkpoint.
+    So the round is recorded while its checkpoint is being written (:meth:`on_save_checkpoint`: the hooks of the
+    checkpoint callbacks come after the module's, Lightning orders them last) and the state in the file is replaced
+    by one that holds it; rounds with no checkpoint are recorded at the next round's start and at the end of
+    training. A resumed run finds every round up to its checkpoint in the history, and the round-once rule of
+    :func:`record_round` keeps each round once.
+    """
+
+    def _record(self, trainer: pl.Trainer, rnd: int) -> None:
+        """Records round ``rnd`` (1-based) from ``trainer.callback_metrics``."""
+        raise NotImplementedError
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0:  # the previous round is complete
+            self._record(trainer, trainer.current_epoch)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer, trainer.current_epoch)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # between a round's epoch-end hooks and its end (processed > completed) the round is logged: a checkpoint
+        # written then is the round's (flx.callbacks.checkpoint); one written during validation is not recorded
+        progress = trainer.fit_loop.epoch_progress.current
+        if progress.processed > progress.completed and self.state_key in checkpoint.get("callbacks", {}):
+            self._record(trainer, progress.processed)
+            checkpoint["callbacks"][self.state_key] = self.state_dict()
+
+
+class RoundCurves(RoundRecorder):
     """Collects ``TRACKED`` metrics at every round end and plots them against the round.
 
     Args:
@@ -92,18 +133,9 @@ class RoundCurves(pl.Callback):
         self.dirpath = dirpath
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
-    def _record(self, trainer: pl.Trainer) -> None:
-        record_round(self.history, trainer, TRACKED)
-
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the previous round is complete here: the module logs its round metrics after the callbacks' epoch-end hooks
-        if trainer.current_epoch > 0:
-            self._record(trainer)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._record(trainer)
+    def _record(self, trainer: pl.Trainer, rnd: int) -> None:
+        record_round(self.history, trainer, TRACKED, rnd)
 
     @override
     def state_dict(self) -> dict[str, Any]:

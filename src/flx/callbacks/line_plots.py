@@ -5,8 +5,9 @@ AugFL's personalised accuracy with the global model's) would rather look at them
 and a list of keys: the callback records the keys' values of every round (as
 :class:`~flx.callbacks.curves.RoundCurves` does: the round's value, 1-based; evaluation keys on validated rounds
 only) and at the end of fit draws ``plots/<name>``, a ``wandb.plot.line_series`` with one line per key that was
-logged (none: no plot). Only with a W&B logger (else it records nothing); the history is in its ``state_dict``, so a
-resumed run draws every round.
+logged (none: no plot). Only with a W&B logger (else it records nothing); the history is in its ``state_dict``, each
+round in the checkpoint written at its end (:class:`~flx.callbacks.curves.RoundRecorder`), so a resumed run draws
+every round.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from flx.callbacks.curves import record_round
+from flx.callbacks.curves import RoundRecorder, record_round
 from flx.wandb_logging import log_line_series, wandb_loggers
 
 
-class LinePlots(pl.Callback):
+class LinePlots(RoundRecorder):
     """Line plots of logged keys over the rounds on W&B (see the module doc).
 
     Args:
@@ -40,18 +41,10 @@ class LinePlots(pl.Callback):
         self.titles, self.require = dict(titles or {}), {k: list(v) for k, v in (require or {}).items()}
         self.history: dict[str, list[tuple[int, float]]] = {}
 
-    def _record(self, trainer: pl.Trainer) -> None:
+    @override
+    def _record(self, trainer: pl.Trainer, rnd: int) -> None:
         if wandb_loggers(trainer):
-            record_round(self.history, trainer, dict.fromkeys(k for keys in self.plots.values() for k in keys))
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.current_epoch > 0:  # the previous round is complete (see RoundCurves)
-            self._record(trainer)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._record(trainer)
+            record_round(self.history, trainer, dict.fromkeys(k for keys in self.plots.values() for k in keys), rnd)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

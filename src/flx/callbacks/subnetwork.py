@@ -43,7 +43,7 @@ from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
 from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
 from flx.sampling import derive_seed
-from flx.wandb_logging import ROUND, wandb_loggers
+from flx.wandb_logging import ROUND, log_wandb, wandb_loggers
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, RoundContext
@@ -266,16 +266,15 @@ class Subnetwork(FederatedCallback):
             values["sim/time_to_target"] = self.time_to_target
         if values:
             pl_module.log_dict(values, on_epoch=True)
-        if self.history and trainer.is_global_zero:
-            for logger in wandb_loggers(trainer):  # the per-round histograms: W&B draws them over the rounds
-                import wandb
+        if self.history and wandb_loggers(trainer):  # the per-round histograms: W&B draws them over the rounds
+            import wandb
 
-                last = self.history[-1]
-                hists = {"whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=p.levels)}
-                if last["fi"]:
-                    hists["whale/fi_hist"] = wandb.Histogram(list(last["fi"].values()))
-                hists[ROUND] = float(trainer.current_epoch + 1)  # this round, 1-based: the charts' x-axis
-                logger.log_metrics(hists, step=trainer.global_step)
+            last = self.history[-1]
+            hists = {"whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=p.levels)}
+            if last["fi"]:
+                hists["whale/fi_hist"] = wandb.Histogram(list(last["fi"].values()))
+            hists[ROUND] = float(trainer.current_epoch + 1)  # this round, 1-based: the charts' x-axis
+            log_wandb(trainer, hists)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -301,8 +300,7 @@ class Subnetwork(FederatedCallback):
         plots = {"whale/history": table}
         if any(h["fi"] for h in self.history):
             plots["whale/fisher_trace"] = wandb.plot.line(table, "sim_clock", "fisher", title="Fisher trace per client")
-        for logger in loggers:
-            logger.experiment.log(plots)
+        log_wandb(trainer, plots)
 
     # ------------------------------------------------------------------ checkpoint
     @override

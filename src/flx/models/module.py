@@ -28,7 +28,7 @@ from flx.hooks import FederatedCallback
 from flx.metrics.client_summary import spread, summarize
 from flx.metrics.sync import reduce_sums, summed
 from flx.tasks import Classification, Task
-from flx.wandb_logging import ROUND, wandb_loggers
+from flx.wandb_logging import ROUND, log_wandb, wandb_loggers
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -272,10 +272,9 @@ class FederatedModule(pl.LightningModule):
         table = wandb.Table(columns=["client", *columns, "train_samples", "sampled"], data=rows)
         model = "the personalised models" if key.startswith("personal_") else "the global model"
         title = f"{split}: {'accuracy' if key == 'acc' else key} of {model} per client"
-        for logger in loggers:
-            bar = wandb.plot.bar(table, "client", key, title=title)
-            tables = {f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar}
-            logger.experiment.log(tables | {ROUND: float(fed.server.round)})  # logged: give the round
+        bar = wandb.plot.bar(table, "client", key, title=title)
+        tables = {f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar}
+        log_wandb(self.trainer, tables | {ROUND: float(fed.server.round)})  # in the round's row, with the round
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
