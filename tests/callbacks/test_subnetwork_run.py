@@ -91,6 +91,7 @@ def test_baseline_configs_build(tmp_path: Path, algo: str) -> None:
 
 
 def test_whale_without_a_system_fails_with_one_line(tmp_path: Path) -> None:
-    cfg = precheck(["algo=whale", *TINY, "algo.rounds=1", f"paths.output_dir={tmp_path}"])
+    """algo=whale picks system=mobile20 by default; system=none given on the command line still stops it."""
+    cfg = precheck(["algo=whale", "system=none", *TINY, "algo.rounds=1", f"paths.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="system=none"):
         train(cfg)
