@@ -43,6 +43,9 @@ def _start_collecting() -> None:
 
 
 if __name__ == "__main__":
+    from flx import signals as _signals  # the standard library only
+
+    _signals.install()  # first: a signal during the start-up is noted, and acted on at the next safe point
     atexit.register(_exit_without_teardown)
     gc.disable()  # until _start_collecting
     _GC_PAUSED[0] = True
@@ -57,6 +60,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
 from flx.errors import ConfigError  # noqa: E402
+from flx.signals import say, stop_if_signalled, stopped  # noqa: E402
 
 JOB = os.path.splitext(os.path.basename(__file__))[0]  # Hydra's job name (hydra.job.name): the script's
 
@@ -99,6 +103,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
 
     _start_collecting()
+    stop_if_signalled(cfg.get("checkpoint"))  # a signal during the imports: stop (or requeue) before any write
 
     try:
         with as_single_run():
@@ -119,9 +124,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "ckpt_path=<run folder>/checkpoints/last.ckpt once there is room)"
             )
         )
+    if stopped() is not None:
+        _stopped()
     from flx.launch import job_label
 
     return {"status": 0, "job": job_label(), "output_dir": str(cfg.paths.output_dir), **metrics}
+
+
+def _stopped() -> None:
+    """The run stopped on a signal at a round boundary (:mod:`flx.signals`): its one line (unless a requeue printed
+    it already), the other ranks joined (they stopped at the same round), the signal's exit status. A sweep ends
+    here too: the signal asked the whole process to stop."""
+    from flx.launch import join_children
+    from flx.signals import status
+
+    stop = stopped()
+    if not stop.requeued:
+        say(stop)
+    join_children()
+    sys.exit(status(stop.signum))
 
 
 # the command lines Hydra runs itself (-m sweeps, --cfg, --help, ...)
@@ -139,6 +160,8 @@ def _run_command_line() -> None:
         cfg = compose_run(sys.argv[1:], job_name=JOB, check=not prelaunched())
     except ConfigError as err:
         _fail(err)
+    if cfg is not None:  # a signal while the command line was read: stop (or requeue) before the other ranks start
+        stop_if_signalled(cfg.get("checkpoint"))
     if cfg is None:
         main()
     else:

@@ -333,11 +333,14 @@ def exit_status(code: int) -> int:
 
 def _watch(children: list, interval: float = 0.5) -> None:
     """Rank 0's watcher (a daemon thread): ends this process with the status of the first child that fails, with one
-    line; returns once :func:`join_children` has taken the children."""
+    line; returns once :func:`join_children` has taken the children. A child that exits with the status of the signal
+    this process received stopped on it at the same round boundary (:mod:`flx.signals`): not a failure."""
+    from flx.signals import expected_status
+
     while children:
         for rank, child in enumerate(list(children), start=1):
             code = child.poll()
-            if code:
+            if code and exit_status(code) != expected_status():
                 print(f"flx: error: rank {rank} exited with status {exit_status(code)}; the run stops", file=sys.stderr)
                 sys.stderr.flush()
                 os._exit(exit_status(code))

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from flx import loop, vectorized
+from flx import loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, one_line, validate
 from flx.console import final_line, headline
@@ -232,10 +232,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``)."""
     ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
+    signals.stop_if_signalled(cfg.get("checkpoint"))  # a signal while the data loaded: stop before the first write
     save_config(cfg, dm)
     fork_ranks()  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    if getattr(trainer.checkpoint_callback, "requeued", False):  # the callback said so before asking SLURM
+    if signals.stopped() is not None:  # stopped on a signal at a round boundary (flx.signals): no test
         finish(trainer)
         return {}
     results = trainer.test(
