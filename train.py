@@ -60,7 +60,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
 from flx.errors import ConfigError  # noqa: E402
-from flx.signals import say, stop_if_signalled, stopped  # noqa: E402
+from flx.signals import at_once, deferred, say, stop_if_signalled, stopped  # noqa: E402
 
 JOB = os.path.splitext(os.path.basename(__file__))[0]  # Hydra's job name (hydra.job.name): the script's
 
@@ -89,6 +89,11 @@ def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics."""
+    with deferred():  # a signal stops the run where nothing is half-written (flx.signals)
+        return _run(cfg)
+
+
+def _run(cfg: DictConfig) -> dict[str, Any]:
     try:
         check_output_dir(cfg.paths.output_dir)
         if cfg.state_store.backend == "disk":
@@ -135,12 +140,12 @@ def _stopped() -> None:
     """The run stopped on a signal at a round boundary (:mod:`flx.signals`): its one line (unless a requeue printed
     it already), the other ranks joined (they stopped at the same round), the signal's exit status. A sweep ends
     here too: the signal asked the whole process to stop."""
-    from flx.launch import join_children
+    from flx.launch import job_label, join_children
     from flx.signals import status
 
     stop = stopped()
     if not stop.requeued:
-        say(stop)
+        say(stop, job_label())
     join_children()
     sys.exit(status(stop.signum))
 
@@ -163,7 +168,8 @@ def _run_command_line() -> None:
     if cfg is not None:  # a signal while the command line was read: stop (or requeue) before the other ranks start
         stop_if_signalled(cfg.get("checkpoint"))
     if cfg is None:
-        main()
+        with at_once():  # Hydra's command lines: a sweep's jobs defer in run(); its waiting launcher stops at once
+            main()
     else:
         folder = str(cfg.hydra.run.dir)  # resolved now (its time stamp): every rank's folder
         with read_write(cfg.hydra):

@@ -58,6 +58,9 @@ def test_one_line_for_each_way_of_stopping() -> None:
     assert signals.Stop(usr1, rounds=5, saved="x", requeued=True).line() == (
         "flx: requeued after round 5 (SIGUSR1); the job resumes from checkpoints/last.ckpt; exit status 138"
     )
+    assert signals.Stop(term, rounds=2, saved="c").line("job 1 (a=1)") == (
+        "flx: job 1 (a=1): stopped by SIGTERM after round 2, saved in c (resume with ckpt_path=auto); exit status 143"
+    )
     assert signals.Stop(usr1, requeued=True).line() == (
         "flx: requeued during start-up, before the first round (SIGUSR1); the job starts again; exit status 138"
     )
@@ -99,6 +102,24 @@ def test_after_a_requeue_slurms_sigterm_ends_the_process_silently() -> None:
         "print('not reached')\n"
     )
     assert (proc.returncode, proc.stdout, proc.stderr) == (138, "", "")
+
+
+def test_outside_a_run_a_signal_stops_at_once() -> None:
+    """``at_once`` (the launching process of a sweep on SLURM, which runs no round): Ctrl-C stops it at once with
+    one line and 130, as Python's KeyboardInterrupt did before, not noted for a round that never comes."""
+    proc = _python(
+        "import os, signal\n"
+        "from flx import signals\n"
+        "signals.install()\n"
+        "with signals.at_once():\n"
+        "    with signals.deferred():\n"
+        "        os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    print(signals.pending(), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('not reached')\n"
+    )
+    assert (proc.returncode, proc.stdout) == (130, "10\n")
+    assert proc.stderr == "flx: stopped by SIGINT, no run in progress; exit status 130\n"
 
 
 def test_lightning_signal_handling_is_switched_off() -> None:

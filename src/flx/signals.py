@@ -41,7 +41,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -76,8 +77,8 @@ class Stop:
     saved: str | None = None
     requeued: bool = False
 
-    def line(self) -> str:
-        """The one line rank 0 prints on stderr."""
+    def line(self, label: str = "") -> str:
+        """The one line rank 0 prints on stderr; ``label`` names the job of a sweep (``job 0 (seed=0)``)."""
         sig = name(self.signum)
         if self.requeued:
             when = "during start-up, before the first round" if self.rounds is None else f"after round {self.rounds}"
@@ -89,16 +90,20 @@ class Stop:
             what = f"stopped by {sig} after round {self.rounds}; no checkpoint (checkpoint=null)"
         else:
             what = f"stopped by {sig} after round {self.rounds}, saved in {self.saved} (resume with ckpt_path=auto)"
-        return f"flx: {what}; exit status {status(self.signum)}"
+        return f"flx: {label + ': ' if label else ''}{what}; exit status {status(self.signum)}"
 
 
 _pending: list[int] = []  # the first signal received, until the run acts on it
 _stop: list[Stop] = []  # set once the run has acted on it
+_defer = [True]  # whether a signal waits for the run to act on it (deferred) or stops the process at once (at_once)
 
 
 def record(signum: int, frame: FrameType | None = None) -> None:
     """The signal handler: notes the first signal; a second SIGINT / SIGTERM ends the process at once (module
-    docstring). Async-signal-safe where it exits: ``os.write`` and ``os._exit`` only."""
+    docstring), as does any signal outside a run (:func:`at_once`). Async-signal-safe where it exits: ``os.write``
+    and ``os._exit`` only."""
+    if not _defer[0]:
+        _exit_at_once(f"flx: stopped by {name(signum)}, no run in progress; exit status {status(signum)}", signum)
     if not _pending:
         _pending.append(int(signum))
         return
@@ -108,10 +113,37 @@ def record(signum: int, frame: FrameType | None = None) -> None:
         os._exit(status(_stop[0].signum))
     line = (
         f"flx: stopped at once by a second signal ({name(signum)} after {name(_pending[0])}); the newest complete "
-        f"checkpoint is kept (resume with ckpt_path=auto); exit status {status(signum)}\n"
+        f"checkpoint is kept (resume with ckpt_path=auto); exit status {status(signum)}"
     )
-    os.write(2, line.encode())
+    _exit_at_once(line, signum)
+
+
+def _exit_at_once(line: str, signum: int) -> None:
+    os.write(2, (line + "\n").encode())
     os._exit(status(signum))
+
+
+@contextmanager
+def at_once() -> Iterator[None]:
+    """Within the body a signal stops the process at once, with one line and :func:`status` (the process runs no
+    round there: the launching process of a sweep on SLURM, which only waits for its jobs); a signal noted before
+    does so on entry. :func:`deferred` inside it (each job a sweep runs in this process) defers again."""
+    stop_if_signalled(None)
+    _defer[0] = False
+    try:
+        yield
+    finally:
+        _defer[0] = True
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Within the body a signal is noted and acted on by the run (the default from :func:`install` on)."""
+    before, _defer[0] = _defer[0], True
+    try:
+        yield
+    finally:
+        _defer[0] = before
 
 
 def install(signums: tuple[int, ...] = CAUGHT) -> None:
@@ -163,12 +195,12 @@ def requeue_job(job: str | None) -> None:
         print(f"flx: warning: scontrol requeue {job} failed: {result.stderr.strip()}", file=sys.stderr, flush=True)
 
 
-def say(stop: Stop) -> None:
+def say(stop: Stop, label: str = "") -> None:
     """Prints ``stop``'s line on stderr, from rank 0 only (every rank stops alike)."""
     from flx.launch import process_rank
 
     if process_rank() == 0:
-        print(stop.line(), file=sys.stderr, flush=True)
+        print(stop.line(label), file=sys.stderr, flush=True)
 
 
 def stop_if_signalled(checkpoint: Mapping[str, Any] | None) -> None:
