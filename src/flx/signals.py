@@ -33,7 +33,8 @@ that signal. Checkpoint files are written atomically (:mod:`flx.checkpoint_io`):
 stays ``last.ckpt``. After a requeue, the SIGTERM with which SLURM ends the job ends the process at once, silently
 (the checkpoint and the line are out).
 
-Only the standard library is imported here: ``train.py`` imports this module before anything else.
+Only the standard library (and :mod:`flx.launch`, which imports no more) is imported here: ``train.py`` imports this
+module before anything else.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+from flx.launch import expect_exit, process_rank, slurm_job_id  # the standard library only, like this module
 
 CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 IMMEDIATE = (signal.SIGTERM, signal.SIGINT)  # a second one of these stops the process at once
@@ -164,19 +167,15 @@ def pending() -> int:
 
 
 def stopping(stop: Stop) -> None:
-    """Records how the run acts on its signal (read by ``train.py`` for the line and the exit status)."""
+    """Records how the run acts on its signal (read by ``train.py`` for the line and the exit status); the other
+    ranks exit with the same status, which rank 0's watcher then does not report as a failure."""
     _stop[:] = [stop]
+    expect_exit(status(stop.signum))
 
 
 def stopped() -> Stop | None:
     """How the run stopped on a signal, or None."""
     return _stop[0] if _stop else None
-
-
-def expected_status() -> int | None:
-    """The status this process exits with once it has acted on its signal, None without one: another rank that
-    exits with it stopped on the same agreed signal (:func:`flx.launch.join_children`), it did not fail."""
-    return status(_pending[0]) if _pending else None
 
 
 def requeues(signum: int, requeue: bool, requeue_signal: int) -> bool:
@@ -197,8 +196,6 @@ def requeue_job(job: str | None) -> None:
 
 def say(stop: Stop, label: str = "") -> None:
     """Prints ``stop``'s line on stderr, from rank 0 only (every rank stops alike)."""
-    from flx.launch import process_rank
-
     if process_rank() == 0:
         print(stop.line(label), file=sys.stderr, flush=True)
 
@@ -210,8 +207,6 @@ def stop_if_signalled(checkpoint: Mapping[str, Any] | None) -> None:
     signum = pending()
     if not signum:
         return
-    from flx.launch import process_rank, slurm_job_id
-
     job = slurm_job_id()
     requeue = str(checkpoint.get("requeue", "auto")).lower() if checkpoint is not None else "false"
     on = job is not None if requeue == "auto" else requeue == "true"
