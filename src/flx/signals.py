@@ -13,7 +13,9 @@ decided where the run can act without leaving anything half-written:
 * **at a round boundary** (:class:`flx.loop.FederatedFitLoop`): rank 0's signal is agreed on by every rank, the
   round just finished is checkpointed (:class:`flx.callbacks.checkpoint.RoundCheckpoint`), then the job is requeued
   (the requeue signal in a SLURM job, as above) or the run stops. A resume with ``ckpt_path=auto`` ends with the
-  uninterrupted run's model.
+  uninterrupted run's model. A signal between the last start-up check and the first round is taken at fit start the
+  same way, with nothing to save.
+* **outside a run** (:func:`at_once`: the launching process of a sweep on SLURM, which runs no round): at once.
 
 Either way rank 0 prints one line on stderr and every rank exits with :func:`status`: ``128 + N`` for signal ``N``,
 the status a shell reports for a process that signal ended, so a scheduler never records success:
