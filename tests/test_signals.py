@@ -7,11 +7,13 @@
   package (``train.py`` installs the handlers before its imports);
 * Lightning's signal connector is switched off, so its SIGTERM handler never replaces flx's;
 * rank 0's watcher does not count a rank that exits with the run's agreed signal status as a failure;
+* outside a run (the launcher of a SLURM sweep) a signal stops the process at once;
 * slow: SIGTERM, SIGINT and SIGUSR1 (outside SLURM) in the middle of round 5 finish the round, save it, print one
-  line and exit with their status; the resumed run ends with the uninterrupted model, bitwise. A SIGTERM during the
-  start-up writes nothing (pre-existing files unchanged). A SIGUSR1 at fit start inside a SLURM job requeues at once
-  (a stub ``scontrol``) and the new start ends with the uninterrupted model. A SIGTERM sent to rank 0 of a 2-rank run
-  stops both ranks at the same round with one line.
+  line and exit with their status; the resumed run ends with the uninterrupted model, bitwise; without checkpoints
+  the run stops at the same boundary and says nothing was saved. A SIGTERM during the start-up writes nothing
+  (pre-existing files unchanged). A SIGUSR1 at fit start inside a SLURM job requeues at once (a stub ``scontrol``)
+  and the new start ends with the uninterrupted model. A SIGTERM sent to rank 0 of a 2-rank run stops both ranks at
+  the same round with one line.
 """
 
 from __future__ import annotations
@@ -191,6 +193,17 @@ def test_signal_mid_round_saves_the_round_and_resumes_bitwise(default_run, tmp_p
     second = run(out, "ckpt_path=auto")
     assert second.returncode == 0 and flx_lines(second.stderr) == [], second.stderr[-3000:]
     assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+
+
+@pytest.mark.slow
+def test_signal_without_checkpoints_stops_at_the_round_boundary(tmp_path: Path) -> None:
+    """``checkpoint=null``: the fit loop alone stops the run after round 5, one line saying nothing was saved, 143."""
+    proc = run(tmp_path / "run", *KILL, "+callbacks.kill.signal=SIGTERM", "checkpoint=null")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert flx_lines(proc.stderr) == [
+        "flx: stopped by SIGTERM after round 5; no checkpoint (checkpoint=null); exit status 143"
+    ]
+    assert "final test_acc" not in proc.stdout and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def _catches(pid: int, signum: int) -> bool:
