@@ -89,11 +89,6 @@ def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics."""
-    with deferred():  # a signal stops the run where nothing is half-written (flx.signals)
-        return _run(cfg)
-
-
-def _run(cfg: DictConfig) -> dict[str, Any]:
     try:
         check_output_dir(cfg.paths.output_dir)
         if cfg.state_store.backend == "disk":
@@ -150,8 +145,15 @@ def _stopped() -> None:
     sys.exit(status(stop.signum))
 
 
+def _job(cfg: DictConfig) -> dict[str, Any]:
+    """:func:`run` as a job of a sweep Hydra runs in this process: a signal waits for the job's round boundary
+    (:func:`flx.signals.deferred`), while the sweep around it stops at once (``at_once`` in ``_run_command_line``)."""
+    with deferred():
+        return run(cfg)
+
+
 # the command lines Hydra runs itself (-m sweeps, --cfg, --help, ...)
-main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(run)
+main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_job)
 
 
 def _run_command_line() -> None:
