@@ -43,6 +43,9 @@ def _start_collecting() -> None:
 
 
 if __name__ == "__main__":
+    from flx import signals as _signals  # the standard library only
+
+    _signals.install()  # first: a signal during the start-up is noted, and acted on at the next safe point
     atexit.register(_exit_without_teardown)
     gc.disable()  # until _start_collecting
     _GC_PAUSED[0] = True
@@ -57,6 +60,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
 from flx.errors import ConfigError  # noqa: E402
+from flx.signals import at_once, deferred, say, stop_if_signalled, stopped  # noqa: E402
 
 JOB = os.path.splitext(os.path.basename(__file__))[0]  # Hydra's job name (hydra.job.name): the script's
 
@@ -99,6 +103,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
 
     _start_collecting()
+    stop_if_signalled(cfg.get("checkpoint"))  # a signal during the imports: stop (or requeue) before any write
 
     try:
         with as_single_run():
@@ -119,13 +124,36 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "ckpt_path=<run folder>/checkpoints/last.ckpt once there is room)"
             )
         )
+    if stopped() is not None:
+        _stopped()
     from flx.launch import job_label
 
     return {"status": 0, "job": job_label(), "output_dir": str(cfg.paths.output_dir), **metrics}
 
 
+def _stopped() -> None:
+    """The run stopped on a signal at a round boundary (:mod:`flx.signals`): its one line (unless a requeue printed
+    it already), the other ranks joined (they stopped at the same round), the signal's exit status. A sweep ends
+    here too: the signal asked the whole process to stop."""
+    from flx.launch import job_label, join_children
+    from flx.signals import status
+
+    stop = stopped()
+    if not stop.requeued:
+        say(stop, job_label())
+    join_children()
+    sys.exit(status(stop.signum))
+
+
+def _job(cfg: DictConfig) -> dict[str, Any]:
+    """:func:`run` as a job of a sweep Hydra runs in this process: a signal waits for the job's round boundary
+    (:func:`flx.signals.deferred`), while the sweep around it stops at once (``at_once`` in ``_run_command_line``)."""
+    with deferred():
+        return run(cfg)
+
+
 # the command lines Hydra runs itself (-m sweeps, --cfg, --help, ...)
-main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(run)
+main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_job)
 
 
 def _run_command_line() -> None:
@@ -139,8 +167,11 @@ def _run_command_line() -> None:
         cfg = compose_run(sys.argv[1:], job_name=JOB, check=not prelaunched())
     except ConfigError as err:
         _fail(err)
+    if cfg is not None:  # a signal while the command line was read: stop (or requeue) before the other ranks start
+        stop_if_signalled(cfg.get("checkpoint"))
     if cfg is None:
-        main()
+        with at_once():  # Hydra's command lines: a sweep's jobs defer in run(); its waiting launcher stops at once
+            main()
     else:
         folder = str(cfg.hydra.run.dir)  # resolved now (its time stamp): every rank's folder
         with read_write(cfg.hydra):

@@ -211,3 +211,17 @@ class StartTimes(FederatedCallback):
         record.update(gc_enabled=gc.isenabled(), gc_frozen=gc.get_freeze_count())
         with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+class SignalAtFitStart(FederatedCallback):
+    """Test callback: sends ``signal`` to its own process in ``on_fit_start``: after the start-up's last check and
+    before the first round, the window the fit loop covers (flx.loop.FederatedFitLoop.on_run_start)."""
+
+    def __init__(self, signal: str) -> None:
+        self.signal = signal
+
+    def on_fit_start(self, trainer: object, pl_module: object) -> None:
+        import os
+        import signal
+
+        os.kill(os.getpid(), getattr(signal, self.signal))

@@ -92,7 +92,8 @@ def test_sigkill_while_a_checkpoint_is_in_flight_resumes_from_the_one_before(def
 
 def test_slurm_requeue_signal_checkpoints_at_the_round_boundary(default_run, tmp_path: Path) -> None:
     """SIGUSR1 in the middle of round 5 (SLURM's --signal): the round finishes, round_00005 is written, `scontrol
-    requeue <job>` is called, the run stops (exit 0, no test); the requeued job resumes to the same final model."""
+    requeue <job>` is called, the run stops (exit status 138 = 128 + SIGUSR1, one line on stderr, no test); the
+    requeued job resumes to the same final model."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
@@ -102,8 +103,11 @@ def test_slurm_requeue_signal_checkpoints_at_the_round_boundary(default_run, tmp
     slurm["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
     out = tmp_path / "run"
     first = run(out, *KILL, "+callbacks.kill.signal=SIGUSR1", "ckpt_path=auto", env=slurm)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "requeued after round 5" in first.stdout and "final test_acc" not in first.stdout
+    assert first.returncode == 138, first.stderr[-3000:]
+    assert flx_lines(first.stderr) == [
+        "flx: requeued after round 5 (SIGUSR1); the job resumes from checkpoints/last.ckpt; exit status 138"
+    ]
+    assert "final test_acc" not in first.stdout
     assert calls.read_text().split() == ["requeue", "4242"]
     assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 5
     second = run(out, "ckpt_path=auto", env=slurm)

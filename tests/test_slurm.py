@@ -8,6 +8,8 @@
 * the same job sent its pre-timeout signal (SIGUSR1, what ``#SBATCH --signal=USR1@120`` sends) after round 3 finishes
   the round, checkpoints and requeues itself; SLURM restarts it (``SLURM_RESTART_COUNT=1``), it resumes from the
   last round checkpoint and ends with the uninterrupted run's model, bitwise;
+* the same job sent SIGUSR1 2 s after it starts (flx is importing torch: before the first round) requeues itself at
+  once (one line); SLURM restarts it, it starts afresh and ends with the uninterrupted run's model, bitwise;
 * a Hydra ``-m`` sweep through ``hydra/launcher=slurm`` (submitit) runs one SLURM job per point: the default point's
   model equals the direct default run, bitwise; a bad value fails only its own job (one line); the launching process
   names every job's result and exits with status 2;
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,7 +115,40 @@ def test_requeued_job_resumes_and_ends_with_the_uninterrupted_model(cluster, two
     text = log.read_text()
     assert "start 0" in text and "start 1" in text, text[-3000:]
     assert text.count("flx: requeued after round") == 1, text[-3000:]
+    assert "(SIGUSR1); the job resumes from checkpoints/last.ckpt; exit status 138" in text, text[-3000:]
     assert_same_model(ckpt(two_processes / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+
+
+def test_usr1_in_the_start_up_requeues_and_the_job_completes_bitwise(cluster, two_processes, tmp_path: Path) -> None:
+    """SIGUSR1 (what ``--signal=USR1@120`` sends, early for a short time limit) 2 s after the job starts, while the
+    tasks import torch: the job is requeued at once, not killed (before flx caught signals from the process start it
+    died with status 138 here), restarts, and ends with the uninterrupted model, bitwise."""
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    job = submit(cluster, log, f"hydra.run.dir={out}")
+    wait_for(lambda: state(cluster, job) == "RUNNING", 120, f"job {job} to start")
+    started = time.monotonic()
+    wait_for(lambda: bool(steps(cluster, job)), 60, f"job {job}'s srun step")  # scancel --signal reaches steps
+    stepped = time.monotonic()
+    time.sleep(max(started + 2.0, stepped + 1.0) - time.monotonic())
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster, check=True)
+    wait_for(lambda: log.exists() and "final test_acc" in log.read_text(), 300, "the requeued job to finish")
+    text = log.read_text()
+    assert "start 0" in text and "start 1" in text, text[-3000:]
+    line = "flx: requeued during start-up, before the first round (SIGUSR1); the job starts again; exit status 138"
+    said = [x for x in text.splitlines() if x.startswith("flx: ") and not x.startswith("flx: job ")]  # not sbatch's
+    assert said == [line], text[-3000:]
+    assert_same_model(ckpt(two_processes / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
+
+
+def state(env: dict[str, str], job: str) -> str:
+    listed = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True, text=True)
+    return listed.stdout.strip()
+
+
+def steps(env: dict[str, str], job: str) -> list[str]:
+    """The job's running steps (``<job>.0`` for its srun), batch and extern steps left out."""
+    listed = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], env=env, capture_output=True, text=True)
+    return [s for s in listed.stdout.split() if s.split(".")[-1].isdigit()]
 
 
 def test_sweep_through_the_submitit_launcher(cluster, default_run, tmp_path: Path) -> None:

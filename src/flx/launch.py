@@ -331,13 +331,23 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+_expected: list[int] = []  # the exit status of the other ranks that is not a failure (expect_exit)
+
+
+def expect_exit(status: int) -> None:
+    """Notes that the other ranks exit with ``status`` because they stop where this process stops: a signal every
+    rank took at one round boundary (:func:`flx.signals.stopping`, called on rank 0 before any rank can exit)."""
+    _expected[:] = [status]
+
+
 def _watch(children: list, interval: float = 0.5) -> None:
     """Rank 0's watcher (a daemon thread): ends this process with the status of the first child that fails, with one
-    line; returns once :func:`join_children` has taken the children."""
+    line; returns once :func:`join_children` has taken the children. A child that exits with the status of the signal
+    this process stops on stopped with it at the same round boundary (:func:`expect_exit`): not a failure."""
     while children:
         for rank, child in enumerate(list(children), start=1):
             code = child.poll()
-            if code:
+            if code and exit_status(code) not in _expected:
                 print(f"flx: error: rank {rank} exited with status {exit_status(code)}; the run stops", file=sys.stderr)
                 sys.stderr.flush()
                 os._exit(exit_status(code))

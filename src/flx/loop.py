@@ -11,6 +11,10 @@
   rank, even one with no client this round),
 
 while callbacks, loggers, checkpointing, precision and the validation loop run unchanged.
+
+Signals are flx's (:mod:`flx.signals`): at fit start and at each round boundary every rank takes rank 0's pending
+signal (one broadcast per round, in place of the one Lightning's epoch loop makes for its own SIGTERM flag) and the
+run stops there, after the round's checkpoint. Lightning's signal connector is switched off (:class:`NoSignals`).
 Tested against Lightning 2.6 (pinned in ``pyproject.toml``).
 """
 
@@ -23,7 +27,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from typing_extensions import override
+
+from flx import signals
 
 if TYPE_CHECKING:
     from flx.federation import Federation
@@ -70,6 +77,30 @@ class FederatedFitLoop(_FitLoop):
     def __init__(self, *args: Any, client_limit: int | float | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.client_limit = client_limit
+        self.signal = 0  # rank 0's signal, taken by every rank (flx.signals); the run stops on it
+
+    @override
+    def on_run_start(self) -> None:
+        # before the on_train_start hooks, which see it: a signal of the start-up's last steps stops the run before
+        # its first round, with nothing to save
+        if self._take_signal():
+            signals.stopping(signals.Stop(self.signal))
+        super().on_run_start()
+
+    @override
+    def on_advance_end(self) -> None:
+        # after the round's validation, before its epoch-end hooks: RoundCheckpoint saves the round when it is set
+        if self._take_signal():
+            signals.stopping(signals.Stop(self.signal, rounds=self.trainer.current_epoch + 1))
+        super().on_advance_end()
+
+    def _take_signal(self) -> int:
+        """Rank 0's pending signal on every rank (a collective: all ranks must stop at the same round), once."""
+        if not self.signal:
+            signum = signals.pending()
+            self.signal = int(self.trainer.strategy.broadcast(signum, src=0)) if self.trainer.world_size > 1 else signum
+            self.trainer.should_stop = self.trainer.should_stop or bool(self.signal)
+        return self.signal
 
     @override
     def on_advance_start(self) -> None:
@@ -104,6 +135,25 @@ class FederatedEpochLoop(_TrainingEpochLoop):
             _federation(self.trainer).end_round()
         super().on_advance_end(data_fetcher)
 
+    @override
+    def _broadcast_sigterm_tensor(self) -> None:
+        pass  # Lightning's SIGTERM flag is never set (NoSignals); FederatedFitLoop takes flx's at the round's end
+
+
+class NoSignals(_SignalConnector):
+    """Lightning's signal connector, switched off: flx handles the signals (:mod:`flx.signals`). Lightning's would
+    put its SIGTERM handler in front of flx's; that handler broadcasts from inside the signal handler on one rank (a
+    collective the other ranks do not join), and the ``SIGTERMException`` it raises at the epoch's end ends fit with
+    exit status 0 and without the round's checkpoint."""
+
+    @override
+    def register_signal_handlers(self) -> None:
+        pass
+
+    @override
+    def teardown(self) -> None:
+        pass
+
 
 class FederatedDDPStrategy(DDPStrategy):
     """DDP process group without the DDP model wrapper.
@@ -120,12 +170,13 @@ class FederatedDDPStrategy(DDPStrategy):
 
 
 def install(trainer: pl.Trainer, client_limit: int | float | None = None) -> pl.Trainer:
-    """Replaces the trainer's fit and epoch loops with the federated ones (before ``fit``); ``client_limit``: see
-    :class:`FederatedFitLoop`."""
+    """Replaces the trainer's fit and epoch loops with the federated ones (before ``fit``) and Lightning's signal
+    connector with :class:`NoSignals`; ``client_limit``: see :class:`FederatedFitLoop`."""
     old = trainer.fit_loop
     fit_loop = FederatedFitLoop(
         trainer, min_epochs=old.min_epochs, max_epochs=old.max_epochs, client_limit=client_limit
     )
     fit_loop.epoch_loop = FederatedEpochLoop(trainer, min_steps=old.epoch_loop.min_steps, max_steps=old.max_steps)
     trainer.fit_loop = fit_loop
+    trainer._signal_connector = NoSignals(trainer)
     return trainer

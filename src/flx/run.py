@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from flx import loop, vectorized
+from flx import loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, one_line, validate
 from flx.console import final_line, headline
@@ -234,12 +234,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``)."""
     ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
+    signals.stop_if_signalled(cfg.get("checkpoint"))  # a signal while the data loaded: stop before the first write
     save_config(cfg, dm)
     fork_ranks()  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
     resume_runs(trainer, ckpt_path)  # W&B: a resumed run continues the run its checkpoint names
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    if getattr(trainer.checkpoint_callback, "requeued", False):  # the callback said so before asking SLURM
-        finish(trainer)
+    stop = signals.stopped()
+    if stop is not None:  # stopped on a signal at a round boundary (flx.signals): no test
+        finish(trainer, exit_code=signals.status(stop.signum))  # W&B records how the process ends
         return {}
     results = trainer.test(
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True

@@ -248,11 +248,12 @@ def describe_run(loggers: Sequence[Any], cfg: DictConfig) -> None:
             logger.describe(config)
 
 
-def finish(trainer: pl.Trainer) -> None:
-    """Finishes the runs of the trainer's :class:`WandbLogger` s (a plain Lightning one is left to wandb's exit)."""
+def finish(trainer: pl.Trainer, exit_code: int = 0) -> None:
+    """Finishes the runs of the trainer's :class:`WandbLogger` s with ``exit_code`` (a plain Lightning one is left to
+    wandb's exit)."""
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
-            logger.finish()
+            logger.finish(exit_code)
 
 
 def run_config(cfg: DictConfig) -> dict[str, Any]:

@@ -13,10 +13,12 @@ table of the store's files, and after each save the files that no kept checkpoin
 With ``monitor`` set (e.g. ``val/acc``), ``best.ckpt`` holds the round whose validation value of that metric is the
 best so far (``mode`` max or min), judged on rounds where validation ran.
 
-SLURM: on ``requeue_signal`` (``sbatch --signal=USR1@120``, sent to the job's tasks) the run finishes the current
-round, writes its checkpoint, asks SLURM to requeue the job (``scontrol requeue``) and stops; the requeued job resumes
-with ``ckpt_path=auto`` (``scripts/slurm/train.sbatch``). Lightning's own handler is not used because it writes a
-checkpoint in the middle of a round, whose partial aggregate cannot be resumed exactly.
+Signals (:mod:`flx.signals`): on SIGTERM, SIGINT, SIGUSR1 or SIGUSR2 the run finishes the current round, writes its
+checkpoint (due or not) and stops. In a SLURM job (``requeue``) the ``requeue_signal`` (``sbatch --signal=USR1@120``,
+sent to the job's tasks) also asks SLURM to requeue the job (``scontrol requeue``); the requeued job resumes with
+``ckpt_path=auto`` (``scripts/slurm/train.sbatch``), or starts afresh when the signal came before the first round.
+Lightning's own handler is not used because it writes a checkpoint in the middle of a round, whose partial aggregate
+cannot be resumed exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import time
 from typing import Any
 
@@ -34,6 +35,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from flx import signals
 from flx.checkpoint_io import LAST, PARTIAL_WRITE, AtomicCheckpointIO, atomic_link
 from flx.config import check_checkpoint
 from flx.errors import ConfigError, bad_value
@@ -77,6 +79,11 @@ def _remove(files: list[str]) -> None:
 def _link_and_remove(path: str, last: str, old: list[str]) -> None:
     atomic_link(path, last)
     _remove(old)
+
+
+def _signal(trainer: pl.Trainer) -> int:
+    """The signal the run stops on, as every rank took it (:class:`flx.loop.FederatedFitLoop`), or 0."""
+    return int(getattr(trainer.fit_loop, "signal", 0))
 
 
 def _rounds_of(paths: list[str]) -> set[int]:
@@ -125,7 +132,6 @@ class RoundCheckpoint(Checkpoint):
         self.best_round: int | None = None
         self.saved: list[str] = []
         self.requeued = False
-        self._signalled = False
         self._validated_epoch = -1
         self._last_time = time.monotonic()
 
@@ -136,8 +142,8 @@ class RoundCheckpoint(Checkpoint):
             trainer.strategy.checkpoint_io.background = self.background
         if stage == "fit" and trainer.is_global_zero:
             self._remove_partial_writes()
-        if stage == "fit" and self.requeue:
-            signal.signal(self.requeue_signal, self._on_signal)
+        if stage == "fit" and self.requeue:  # train.py catches it from the process start; another caller, from here
+            signals.install((self.requeue_signal,))
 
     def _remove_partial_writes(self) -> None:
         """Removes the temporary files of writes cut short by a kill (``.NAME.tmp-PID``, :mod:`flx.checkpoint_io`):
@@ -154,10 +160,11 @@ class RoundCheckpoint(Checkpoint):
                 ", ".join(partial),
             )
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        log.warning("flx: received %s: the run stops after this round's checkpoint and is requeued", name)
-        self._signalled = True
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        signum = _signal(trainer)  # before the first round: nothing to save; requeue at once
+        if signum and signals.requeues(signum, self.requeue, self.requeue_signal):
+            self._requeue(trainer)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,10 +176,10 @@ class RoundCheckpoint(Checkpoint):
         if trainer.fast_dev_run or trainer.sanity_checking:
             return
         rounds = trainer.current_epoch + 1
-        requeue = self.requeue and self._agree(trainer, self._signalled)
+        signum = _signal(trainer)  # the run stops after this round (flx.signals): save it, due or not
         due = (self.every_rounds is not None and rounds % self.every_rounds == 0) or rounds == trainer.max_epochs
         best = self.monitor is not None and self._validated_epoch == trainer.current_epoch and self._improved(trainer)
-        if due or requeue or self._time_due(trainer):
+        if due or signum or self._time_due(trainer):
             self._save_round(trainer, rounds)
             if best and trainer.is_global_zero:
                 _after_write(trainer, atomic_link, self.last_model_path, self.best_model_path)
@@ -180,8 +187,8 @@ class RoundCheckpoint(Checkpoint):
         elif best:
             trainer.save_checkpoint(self.best_model_path, weights_only=False)
             self._release_client_state(trainer)
-        if requeue:
-            self._requeue(trainer)
+        if signum:
+            self._stop(trainer, signum)
 
     # ------------------------------------------------------------------ saving
     def _agree(self, trainer: pl.Trainer, flag: bool) -> bool:
@@ -245,22 +252,29 @@ class RoundCheckpoint(Checkpoint):
         self.best_round = trainer.current_epoch + 1
         return True
 
+    def _stop(self, trainer: pl.Trainer, signum: int) -> None:
+        """After the round's save for a signal: requeue, or record where the round is for the stop's line."""
+        stop = signals.stopped()
+        if stop is not None:
+            stop.saved = os.path.join(self.dirpath, LAST)
+        if signals.requeues(signum, self.requeue, self.requeue_signal):
+            self._requeue(trainer)
+        else:
+            _wait_for_writes(trainer)  # the line says the round is saved: on disk before it is printed
+
     def _requeue(self, trainer: pl.Trainer) -> None:
         self.requeued, trainer.should_stop = True, True
         _wait_for_writes(trainer)  # SLURM stops the job soon after the requeue: the checkpoint must be on disk first
         close_runs(trainer, preempting=True)  # and the W&B run finished, with this round's rows
         job = slurm_job_id()
-        if trainer.is_global_zero:
-            # printed before `scontrol requeue`: SLURM kills the job step soon after it, and a message printed after
+        stop = signals.stopped()
+        if stop is not None:
+            stop.requeued = True  # a SIGTERM from SLURM now ends the process at once, silently
+            # printed before `scontrol requeue`: SLURM kills the job step soon after it, and a line printed after
             # fit returns would often be lost
-            print(
-                f"flx: requeued after round {trainer.current_epoch + 1}; the job resumes from checkpoints/last.ckpt",
-                flush=True,
-            )
-        if trainer.is_global_zero and job is not None:
-            result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                log.warning("flx: scontrol requeue %s failed: %s", job, result.stderr.strip())
+            signals.say(stop)
+        if trainer.is_global_zero:
+            signals.requeue_job(job)
 
     # ------------------------------------------------------------------ state
     @override
