@@ -48,6 +48,7 @@ if __name__ == "__main__":
     _GC_PAUSED[0] = True
 
 import errno  # noqa: E402
+from contextlib import ExitStack  # noqa: E402
 from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
@@ -84,13 +85,25 @@ def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics."""
-    try:
-        check_output_dir(cfg.paths.output_dir)
-        if cfg.state_store.backend == "disk":
-            check_output_dir(cfg.state_store.dir, "state_store.dir")
-    except ConfigError as err:
-        return _fail(err)
+    """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics.
+
+    The run folder is claimed first (:func:`flx.run_folder.claim`: never clobbered, one run at a time), before
+    anything is written into it; the claim is held until the run returns."""
+    from flx.run_folder import claim
+
+    with ExitStack() as held:
+        try:
+            check_output_dir(cfg.paths.output_dir)
+            held.enter_context(claim(str(cfg.paths.output_dir), cfg))
+            if cfg.state_store.backend == "disk":
+                check_output_dir(cfg.state_store.dir, "state_store.dir")
+        except ConfigError as err:
+            return _fail(err)
+        return _run_claimed(cfg)
+
+
+def _run_claimed(cfg: DictConfig) -> dict[str, Any]:
+    """:func:`run` once the run folder is claimed: the data load, the imports, the run, its errors as one line."""
     from flx.datamodules import prefetch
 
     prefetch.start(cfg)  # the data load runs while the next line imports torch, Lightning and flx (~4 s)

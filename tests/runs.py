@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false"]
 # what a subprocess needs to find the test-only parts (helpers.SleepPerRound, ...) and to stay quiet
-ENV = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "tests")}
+ENV = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
 
 
 def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop, vectorized
+from flx.callbacks.checkpoint import check_monitor
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.config import data_protocol, one_line, validate
 from flx.console import final_line, headline
@@ -29,7 +30,7 @@ from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import fork_ranks, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
 from flx.models.build import net_from_config as build_net
-from flx.models.module import FederatedModule
+from flx.models.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
@@ -159,15 +160,27 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         net, fed, dm.data.num_classes, dm.metric_clients(), fingerprint=fingerprint(cfg), task=task
     )
     parts = _instantiate_group(cfg.algo.get("parts"))
-    for part in parts:
-        if isinstance(part, FederatedCallback):
-            part.check_setup(dm, fed.cfg)
+    check_parts(cfg, dm, fed, net, task, parts)
+    return dm, module, build_trainer(cfg, parts)
+
+
+def check_parts(
+    cfg: DictConfig, dm: FederatedDataModule, fed: Federation, net: torch.nn.Module, task: Task, parts: list[Any]
+) -> None:
+    """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
+    part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
+    against the keys the task and parts log (:func:`flx.callbacks.checkpoint.check_monitor`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
+    for part in fed_parts:
+        part.check_setup(dm, fed.cfg)
+    for part in fed_parts:
+        part.check_federation(dm, fed, net)
     if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
         raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
     if fed.cfg.vectorize:
         vectorized.check(net, fed_parts)
-    return dm, module, build_trainer(cfg, parts)
+    if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
+        check_monitor(cfg.checkpoint.get("monitor"), metric_names(task, parts, dm, fed.system is not None))
 
 
 def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
