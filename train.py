@@ -53,7 +53,7 @@ from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
-from omegaconf import DictConfig, read_write  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, read_write  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
@@ -141,6 +141,16 @@ def _run_claimed(cfg: DictConfig) -> dict[str, Any]:
 main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(run)
 
 
+def _names_folder() -> bool:
+    """Whether this process names the run's time-stamped folder (``hydra.run.dir``'s default): the first process of a
+    run, not a task of a SLURM step of several tasks (``flx.launch.run_name``: they share one name) nor a rank that
+    ``prelaunch`` started (given rank 0's folder)."""
+    from flx.launch import prelaunched, process_rank
+
+    several = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    return not (several or prelaunched() or process_rank() != 0)
+
+
 def _run_command_line() -> None:
     """``python train.py ...``: the config check, the other DDP ranks, the run or the sweep, the exit status.
 
@@ -155,7 +165,12 @@ def _run_command_line() -> None:
     if cfg is None:
         main()
     else:
+        stamped = "${now:" in str(OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir"))
         folder = str(cfg.hydra.run.dir)  # resolved now (its time stamp): every rank's folder
+        if stamped and _names_folder():  # runs started in the same second get their own folders
+            from flx.run_folder import new_folder
+
+            folder = new_folder(folder)
         with read_write(cfg.hydra):
             cfg.hydra.run.dir = folder
         prelaunch(cfg.trainer, folder, cfg.get("ddp_start", "auto"))  # trainer=ddp on one machine: the other ranks

@@ -23,7 +23,7 @@ import flx.callbacks
 from flx.config import precheck
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
-from flx.run_folder import LOCK, RunLock, check_continued, check_fresh, claim, move_aside, outputs
+from flx.run_folder import LOCK, RunLock, check_continued, check_fresh, claim, move_aside, new_folder, outputs
 
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402  (the entry point's run(): the folder claim, the one-line errors, exit 2)
@@ -93,6 +93,31 @@ def test_move_aside_renames_into_the_first_free_numbered_folder_and_keeps_every_
     (tmp_path / "pm.pt").write_bytes(b"\x02")
     assert move_aside(str(tmp_path)) == str(tmp_path / "previous-2")
     assert (tmp_path / "previous-1" / "pm.pt").read_bytes() == b"\x00\x01"
+
+
+def test_a_fresh_runs_checkpoint_folder_elsewhere_must_be_empty(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    shared = tmp_path / "shared_ckpts"
+    shared.mkdir()
+    (shared / "round_00001.ckpt").write_bytes(b"another run's")
+    before = tree(tmp_path)
+    line = refused(capfd, tmp_path / "run", f"checkpoint.dirpath={shared}")
+    assert line == (
+        f"flx: error: checkpoint.dirpath='{shared}': already holds another run's files (round_00001.ckpt); a fresh run "
+        "needs an empty folder there, or continue that run with ckpt_path=auto"
+    )
+    assert tree(tmp_path) == {**before, "run": "dir"}
+
+
+def test_time_stamped_folders_of_runs_started_in_the_same_second_are_distinct(tmp_path: Path) -> None:
+    """``flx.run_folder.new_folder`` (train.py, for the default folder named by the start time): the name, else the
+    first free ``_<k>``; never an existing folder."""
+    stamp = str(tmp_path / "runs" / "2026-11-27_15-00-00")
+    assert [new_folder(stamp) for _ in range(3)] == [stamp, f"{stamp}_1", f"{stamp}_2"]
+    assert sorted(os.listdir(tmp_path / "runs")) == [
+        "2026-11-27_15-00-00",
+        "2026-11-27_15-00-00_1",
+        "2026-11-27_15-00-00_2",
+    ]
 
 
 def test_run_overwrite_must_be_a_boolean_and_is_for_fresh_runs(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
@@ -350,6 +375,19 @@ def test_metric_names_cover_what_a_run_logs(tmp_path: Path, default_run) -> None
     with open(default_run[0] / "csv" / "metrics.csv") as f:
         logged = {k for k in next(csv.reader(f)) if k.startswith(("val/", "train/"))}
     assert logged == {n for n in names if n.startswith(("val/", "train/"))}
+
+
+def test_a_continuing_run_leaves_the_split_files_as_they_are(tmp_path: Path) -> None:
+    """``flx.run.save_split``: written once, whole (renamed into place), never over the files already there."""
+    from flx.run import build, save_split
+
+    dm, _, _ = build(precheck([f"paths.output_dir={tmp_path}"]))
+    save_split(str(tmp_path), dm)
+    written = tree(tmp_path)
+    assert {"data_split.json", "partition.json"} <= set(written)
+    (tmp_path / "partition.json").write_text("an earlier start's\n")
+    save_split(str(tmp_path), dm)
+    assert tree(tmp_path) == {**written, "partition.json": hashlib.sha256(b"an earlier start's\n").hexdigest()}
 
 
 def test_every_part_that_logs_says_what_it_logs() -> None:

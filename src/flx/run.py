@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -188,7 +190,8 @@ def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
     exact data split and partition next to them (``data_split.json``, ``partition.json``; see ``dm.save``).
 
     A run resumed into the folder of an earlier one keeps the earlier config: its own goes to ``config.<k>.yaml`` /
-    ``overrides.<k>.yaml`` with the first free ``k`` (the split and partition are the same: the fingerprint says so).
+    ``overrides.<k>.yaml`` with the first free ``k``; the split and partition are the same (the fingerprint says so)
+    and their files are left as they are (:func:`save_split`).
     """
     from hydra.core.hydra_config import HydraConfig
 
@@ -202,7 +205,26 @@ def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
     OmegaConf.save(cfg, os.path.join(folder, f"config{suffix}.yaml"))
     OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, f"overrides{suffix}.yaml"))
     if dm is not None:
-        dm.save(folder)
+        save_split(folder, dm)
+
+
+SPLIT_FILES = ("data_split.json", "partition.json")
+
+
+def save_split(folder: str, dm: FederatedDataModule) -> None:
+    """``dm.save`` into ``folder``, never over a file already there (a continuing run's are the same) and never
+    half-written: the files are written into a temporary folder beside them and renamed into place."""
+    if os.path.exists(os.path.join(folder, "partition.json")):  # always saved (data_split.json: with a pool split)
+        return
+    tmp = tempfile.mkdtemp(prefix=".split-", dir=folder)
+    try:
+        dm.save(tmp)
+        for name in SPLIT_FILES:
+            made, kept = os.path.join(tmp, name), os.path.join(folder, name)
+            if os.path.exists(made) and not os.path.exists(kept):
+                os.replace(made, kept)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resume_path(cfg: DictConfig) -> str | None:

@@ -7,6 +7,8 @@ A run writes its config, data split, partition, checkpoints, metrics and cached 
 - :func:`check_fresh`: a fresh run (no ``ckpt_path``) into a folder that already holds files stops with one line
   naming the folder and the ways on: ``ckpt_path=auto`` to continue that run, another folder, or ``run.overwrite=true``,
   which moves the old outputs aside into ``<folder>/previous-<k>`` (:func:`move_aside`; nothing is deleted).
+- :func:`check_elsewhere`: the same for a fresh run's ``checkpoint.dirpath`` and disk client store where they lie
+  outside the run folder (no ``run.overwrite`` there).
 - :func:`check_continued`: a continuing run into a folder whose saved config (``.hydra/config.yaml``) is another run's
   (:func:`flx.resume.fingerprint` differs) stops with one line; the checkpoint itself is checked by
   :func:`flx.resume.check_ckpt`.
@@ -82,6 +84,26 @@ def check_fresh(folder: str, allow_overwrite: bool) -> None:
         f"hydra.run.dir={folder}: already holds a run's outputs ({shown}); continue that run with ckpt_path=auto, "
         "start this one in a new folder, or set run.overwrite=true to move the old outputs aside (never deleted)"
     )
+
+
+ELSEWHERE = ("checkpoint.dirpath", "state_store.dir")  # folders a run writes that may lie outside its run folder
+
+
+def check_elsewhere(folder: str, cfg: DictConfig) -> None:
+    """A fresh run's checkpoint folder and disk client store, where they lie outside its run folder (a shared place),
+    must hold no files yet: a run's ``round_*.ckpt`` or client files would be replaced. Raises one line otherwise."""
+    inside = os.path.abspath(folder) + os.sep
+    for key in ELSEWHERE:
+        path = OmegaConf.select(cfg, key, default=None)
+        if key == "state_store.dir" and OmegaConf.select(cfg, "state_store.backend") != "disk":
+            continue
+        if path is None or (os.path.abspath(str(path)) + os.sep).startswith(inside):
+            continue
+        found = outputs(str(path))
+        if found:
+            shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+            why = f"already holds another run's files ({shown}); a fresh run needs an empty folder there"
+            raise bad_value(key, str(path), f"{why}, or continue that run with ckpt_path=auto")
 
 
 def move_aside(folder: str) -> str | None:
@@ -178,6 +200,21 @@ class RunLock:
         os.close(fd)  # closing the last descriptor of this open file releases the flock
 
 
+def new_folder(path: str) -> str:
+    """Creates ``path`` as a new, empty folder, or, when it exists (another run started in the same second: the
+    default run folder is named by the start time), the first free ``<path>_<k>`` (``k`` = 1, 2, ...). ``os.mkdir`` is
+    atomic: of several runs started at once each gets its own folder. Returns the folder created."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    candidate, k = path, 0
+    while True:
+        try:
+            os.mkdir(candidate)
+            return candidate
+        except FileExistsError:
+            k += 1
+            candidate = f"{path}_{k}"
+
+
 def _is_first_process() -> bool:
     """Whether this process is the run's first (global rank 0 on the first node): the one that guards and locks.
     DDP's other ranks (started by ``flx.launch.prelaunch``, Lightning or ``srun``) join its folder."""
@@ -206,6 +243,7 @@ def claim(folder: str, cfg: DictConfig) -> Iterator[None]:
             check_continued(folder, cfg)
         else:
             check_fresh(folder, allow)
+            check_elsewhere(folder, cfg)
             moved = move_aside(folder) if allow else None
             if moved is not None:
                 print(f"flx: run.overwrite=true: moved the earlier outputs of {folder} to {moved}", file=sys.stderr)
