@@ -310,6 +310,7 @@ FAILING = {
     "DualAveraging": (["algo=feddualavg", "algo.momentum=0.9"], "FedDualAvg takes plain gradient steps"),
     "MetaUpdate": (["algo=augfl", "algo.aggregator=mean"], "AugFL's server step (Eq. 13) needs admm_sum"),
     "PMRegularizer": (["algo=augfl", "algo.server_fraction=0"], "needs server rows"),
+    "PerFedAvg": (["algo=per_fedavg", "partition=dirichlet"], "Per-FedAvg needs support and query sets"),
     "Subnetwork": (["algo=whale", "system=none"], "system=none: sub-network scheduling needs simulated devices"),
 }
 NEVER_FAILS = {"Structure"}  # its check_setup computes the clients' ground truth
