@@ -296,6 +296,35 @@ def test_two_runs_at_once_in_one_folder_one_stops(tmp_path: Path) -> None:
     assert not (out / LOCK).exists() and (out / "checkpoints" / "round_00003.ckpt").exists()
 
 
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_continues_with_ckpt_path_auto(tmp_path: Path, default_run) -> None:
+    """SIGKILL after the run wrote its config, split and partition but before round 1's checkpoint (a sleeping part
+    holds round 1 back): ``ckpt_path=auto`` is the same run continuing (a fresh start in its own folder), not a
+    clobber. It ends with the default run's model, bitwise, and leaves the files of the first start as they were."""
+    from runs import assert_same_model, ckpt
+
+    out = tmp_path / "run"
+    sleep = ["+algo.parts.sleep._target_=helpers.SleepPerRound", "+algo.parts.sleep.seconds=5"]
+    first = subprocess.Popen(
+        [sys.executable, "train.py", "callbacks.progress_bar=null", *sleep, f"hydra.run.dir={out}"],
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: (out / ".hydra" / "partition.json").exists(), 120, "the first start's partition.json")
+    finally:
+        first.kill()
+        first.wait()
+    assert not (out / "checkpoints" / "last.ckpt").exists()
+    started = {k: v for k, v in tree(out).items() if k.startswith(".hydra/")}
+    proc = run(out, "ckpt_path=auto", "+algo.parts.sleep._target_=helpers.SleepPerRound", "+algo.parts.sleep.seconds=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {k: v for k, v in tree(out).items() if k in started} == started
+    assert_same_model(ckpt(out / "checkpoints" / "last.ckpt"), ckpt(default_run[0] / "checkpoints" / "last.ckpt"))
+
+
 # ---------------------------------------------------------------------------------------------- config-only checks
 # a failing command line for every part whose check_setup / check_federation can fail (Structure's only reads the
 # data), and the message it gives
