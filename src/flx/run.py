@@ -21,9 +21,8 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
 from flx import loop, vectorized
-from flx.callbacks.checkpoint import check_monitor
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
-from flx.config import data_protocol, one_line, validate
+from flx.config import check_monitor, data_protocol, one_line, validate
 from flx.console import final_line, headline
 from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
@@ -171,7 +170,7 @@ def check_parts(
 ) -> None:
     """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
     part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
-    against the keys the task and parts log (:func:`flx.callbacks.checkpoint.check_monitor`)."""
+    against the keys the task and parts log (:func:`flx.config.check_monitor`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
     for part in fed_parts:
         part.check_setup(dm, fed.cfg)

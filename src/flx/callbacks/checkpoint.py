@@ -21,7 +21,6 @@ checkpoint in the middle of a round, whose partial aggregate cannot be resumed e
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 import os
@@ -82,17 +81,6 @@ def _link_and_remove(path: str, last: str, old: list[str]) -> None:
 def _rounds_of(paths: list[str]) -> set[int]:
     """The rounds whose state the round files among ``paths`` hold."""
     return {int(m.group(1)) for p in paths if (m := ROUND_FILE.fullmatch(os.path.basename(p)))}
-
-
-def check_monitor(monitor: str | None, logged: tuple[str, ...]) -> None:
-    """Raises one line unless ``monitor`` (``checkpoint.monitor``) is among the keys the run will log: ``logged``,
-    names or ``*`` patterns (:func:`flx.models.module.metric_names`). At build time, before anything is written: a
-    name the run never logs would otherwise be found at the end of the first validated round."""
-    if monitor is None or any(fnmatch.fnmatchcase(monitor, name) for name in logged):
-        return
-    allowed = ", ".join(n for n in logged if n.startswith(("val/", "test/", "train/"))) or "none"
-    why = f"not logged by this run (val/* needs data.val_fraction > 0, test/* eval_test=true); it logs {allowed}"
-    raise bad_value("checkpoint.monitor", monitor, why)
 
 
 class RoundCheckpoint(Checkpoint):
