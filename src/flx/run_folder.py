@@ -15,6 +15,8 @@ A run writes its config, data split, partition, checkpoints, metrics and cached 
 - :class:`RunLock`: an OS lock (``fcntl.flock``) on ``<folder>/.flx.lock``, held by the run's first process for the
   life of the run. A second run in the same folder stops with one line. The kernel releases the lock when the process
   dies, so ``kill -9`` never leaves a stale lock; a clean exit also removes the file.
+- :func:`new_folder`: the default, time-stamped folder of a run started in the same second as another gets a
+  ``_<k>`` suffix instead of tripping the guard.
 
 Only the standard library and ``omegaconf`` at import time: this runs before torch is imported.
 """
