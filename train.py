@@ -51,11 +51,12 @@ if __name__ == "__main__":
     _GC_PAUSED[0] = True
 
 import errno  # noqa: E402
+from contextlib import ExitStack  # noqa: E402
 from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
-from omegaconf import DictConfig, read_write  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, read_write  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
@@ -88,13 +89,25 @@ def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics."""
-    try:
-        check_output_dir(cfg.paths.output_dir)
-        if cfg.state_store.backend == "disk":
-            check_output_dir(cfg.state_store.dir, "state_store.dir")
-    except ConfigError as err:
-        return _fail(err)
+    """One run (or one job of a ``-m`` sweep); returns its status, its folder and its final test metrics.
+
+    The run folder is claimed first (:func:`flx.run_folder.claim`: never clobbered, one run at a time), before
+    anything is written into it; the claim is held until the run returns."""
+    from flx.run_folder import claim
+
+    with ExitStack() as held:
+        try:
+            check_output_dir(cfg.paths.output_dir)
+            held.enter_context(claim(str(cfg.paths.output_dir), cfg))
+            if cfg.state_store.backend == "disk":
+                check_output_dir(cfg.state_store.dir, "state_store.dir")
+        except ConfigError as err:
+            return _fail(err)
+        return _run_claimed(cfg)
+
+
+def _run_claimed(cfg: DictConfig) -> dict[str, Any]:
+    """:func:`run` once the run folder is claimed: the data load, the imports, the run, its errors as one line."""
     from flx.datamodules import prefetch
 
     prefetch.start(cfg)  # the data load runs while the next line imports torch, Lightning and flx (~4 s)
@@ -156,6 +169,16 @@ def _job(cfg: DictConfig) -> dict[str, Any]:
 main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")(_job)
 
 
+def _names_folder() -> bool:
+    """Whether this process names the run's time-stamped folder (``hydra.run.dir``'s default): the first process of a
+    run, not a task of a SLURM step of several tasks (``flx.launch.run_name``: they share one name) nor a rank that
+    ``prelaunch`` started (given rank 0's folder)."""
+    from flx.launch import prelaunched, process_rank
+
+    several = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    return not (several or prelaunched() or process_rank() != 0)
+
+
 def _run_command_line() -> None:
     """``python train.py ...``: the config check, the other DDP ranks, the run or the sweep, the exit status.
 
@@ -173,7 +196,12 @@ def _run_command_line() -> None:
         with at_once():  # Hydra's command lines: a sweep's jobs defer in run(); its waiting launcher stops at once
             main()
     else:
+        stamped = "${now:" in str(OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir"))
         folder = str(cfg.hydra.run.dir)  # resolved now (its time stamp): every rank's folder
+        if stamped and _names_folder():  # runs started in the same second get their own folders
+            from flx.run_folder import new_folder
+
+            folder = new_folder(folder)
         with read_write(cfg.hydra):
             cfg.hydra.run.dir = folder
         prelaunch(cfg.trainer, folder, cfg.get("ddp_start", "auto"))  # trainer=ddp on one machine: the other ranks

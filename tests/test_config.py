@@ -352,9 +352,9 @@ PREVIOUS_RUN = {  # what an earlier run (and its user) left in the output dir
     [
         pytest.param(("algo=nope",), ("algo=",), id="pre-run-check"),
         pytest.param(("data=mnist",), ("data=mnist",), id="missing-data"),
-        pytest.param(
+        pytest.param(  # a fresh run into a used folder: the run-folder guard stops it before the in-run check
             ("partition=shards", "partition.classes_per_client=11"),
-            ("partition.classes_per_client=11",),
+            ("hydra.run.dir=", "already holds a run's outputs", "ckpt_path=auto", "run.overwrite=true"),
             id="in-run-check",
             marks=pytest.mark.slow,
         ),

@@ -8,6 +8,7 @@ composed config. Loaders and partitioners check what only they can (files on dis
 from __future__ import annotations
 
 import copy
+import fnmatch
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -372,6 +373,18 @@ def check_checkpoint(
         raise bad_value("checkpoint.requeue", requeue, "allowed: auto, true, false")
     if not str(requeue_signal).startswith("SIG") or not hasattr(signal, str(requeue_signal)):
         raise bad_value("checkpoint.requeue_signal", requeue_signal, "must name a signal, e.g. SIGUSR1")
+
+
+def check_monitor(monitor: str | None, logged: tuple[str, ...]) -> None:
+    """Raises one line unless ``monitor`` (``checkpoint.monitor`` of :class:`flx.callbacks.checkpoint.RoundCheckpoint`)
+    is among the keys the run will log: ``logged``, names or ``*`` patterns (:func:`flx.models.module.metric_names`).
+    At build time, before anything is written: a name the run never logs would otherwise be found at the end of the
+    first validated round."""
+    if monitor is None or any(fnmatch.fnmatchcase(monitor, name) for name in logged):
+        return
+    allowed = ", ".join(n for n in logged if n.startswith(("val/", "test/", "train/"))) or "none"
+    why = f"not logged by this run (val/* needs data.val_fraction > 0, test/* eval_test=true); it logs {allowed}"
+    raise bad_value("checkpoint.monitor", monitor, why)
 
 
 def _check_run(cfg: DictConfig) -> None:

@@ -4,11 +4,16 @@ A part owns one mechanism and its state (``state_dict``/``load_state_dict`` as a
 so it is saved with the checkpoint). Parts are listed in the algorithm config; hook order is list order.
 Every hook is optional; the federation calls a hook only on the parts that override it.
 
-Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, before the Trainer
-starts, so a part that cannot use the data or the protocol settings (an AUC part on a 10-class task, a step-counting
-part with ``local_epochs``) stops the run with one line. ``on_attach(fed)`` runs when the federation is bound to the
-net and the data (fit start): a part declares its per-round statistics there (``fed.register_stat``), which ride in
-the round's one all-reduce, and creates its per-round state.
+Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, then
+``check_federation(datamodule, fed, net)`` once the federation (its settings, its simulated system) and the net are
+built, both before anything is written into the run folder and before the Trainer exists, so a part that cannot use
+the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a step-counting part with
+``local_epochs``, WHALE without simulated devices) stops the run with one line. ``metric_names()`` says which metric
+keys the part logs (what ``checkpoint.monitor`` may name; checked at build time too).
+
+``on_attach(fed)`` runs when the federation is bound to the net and the data (fit start): a part declares its
+per-round statistics there (``fed.register_stat``), which ride in the round's one all-reduce, and creates its
+per-round state.
 
 Server side (run identically on every rank):
 
@@ -43,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from lightning.pytorch import Callback
-from torch import Tensor
+from torch import Tensor, nn
 
 from flx.context import ClientContext, FederationConfig, RoundContext
 
@@ -94,6 +99,21 @@ class FederatedCallback(Callback):
         partitioned), ``cfg`` the round protocol's settings; a check here fails with one line before Lightning
         prints anything.
         """
+
+    def check_federation(self, datamodule: Any, fed: Federation, net: nn.Module) -> None:
+        """After :meth:`check_setup`, before anything is written and before the Trainer starts: raise a ConfigError
+        for a federation or net the part cannot run on.
+
+        ``fed`` is built but not attached (``fed.cfg`` and ``fed.system`` are set; no data or net bound yet), ``net``
+        the run's model, ``datamodule`` as in :meth:`check_setup`.
+        """
+
+    def metric_names(self) -> tuple[str, ...]:
+        """The keys the part logs into Lightning's metrics (``trainer.callback_metrics``: what ``checkpoint.monitor``
+        may name), with their split: ``train/h``; ``{split}/x`` for a metric logged at every evaluation (``val``,
+        and ``test`` with ``eval_test``); a ``*`` pattern where the set depends on the run (``lambda/*``). Called at
+        build time, after :meth:`check_setup`. None by default: a part that logs nothing."""
+        return ()
 
     def on_attach(self, fed: Federation) -> None:
         """Fit start, every rank: the federation holds the net and the data. Declare per-round statistics here

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -20,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx import loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
-from flx.config import data_protocol, one_line, validate
+from flx.config import check_monitor, data_protocol, one_line, validate
 from flx.console import final_line, headline
 from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
@@ -29,7 +31,7 @@ from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import fork_ranks, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
 from flx.models.build import net_from_config as build_net
-from flx.models.module import FederatedModule
+from flx.models.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
@@ -161,15 +163,27 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         net, fed, dm.data.num_classes, dm.metric_clients(), fingerprint=fingerprint(cfg), task=task
     )
     parts = _instantiate_group(cfg.algo.get("parts"))
-    for part in parts:
-        if isinstance(part, FederatedCallback):
-            part.check_setup(dm, fed.cfg)
+    check_parts(cfg, dm, fed, net, task, parts)
+    return dm, module, build_trainer(cfg, parts)
+
+
+def check_parts(
+    cfg: DictConfig, dm: FederatedDataModule, fed: Federation, net: torch.nn.Module, task: Task, parts: list[Any]
+) -> None:
+    """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
+    part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
+    against the keys the task and parts log (:func:`flx.config.check_monitor`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
+    for part in fed_parts:
+        part.check_setup(dm, fed.cfg)
+    for part in fed_parts:
+        part.check_federation(dm, fed, net)
     if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
         raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
     if fed.cfg.vectorize:
         vectorized.check(net, fed_parts)
-    return dm, module, build_trainer(cfg, parts)
+    if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
+        check_monitor(cfg.checkpoint.get("monitor"), metric_names(task, parts, dm, fed.system is not None))
 
 
 def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
@@ -177,7 +191,8 @@ def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
     exact data split and partition next to them (``data_split.json``, ``partition.json``; see ``dm.save``).
 
     A run resumed into the folder of an earlier one keeps the earlier config: its own goes to ``config.<k>.yaml`` /
-    ``overrides.<k>.yaml`` with the first free ``k`` (the split and partition are the same: the fingerprint says so).
+    ``overrides.<k>.yaml`` with the first free ``k``; the split and partition are the same (the fingerprint says so)
+    and their files are left as they are (:func:`save_split`).
     """
     from hydra.core.hydra_config import HydraConfig
 
@@ -191,7 +206,26 @@ def save_config(cfg: DictConfig, dm: FederatedDataModule | None = None) -> None:
     OmegaConf.save(cfg, os.path.join(folder, f"config{suffix}.yaml"))
     OmegaConf.save(list(HydraConfig.get().overrides.task), os.path.join(folder, f"overrides{suffix}.yaml"))
     if dm is not None:
-        dm.save(folder)
+        save_split(folder, dm)
+
+
+SPLIT_FILES = ("data_split.json", "partition.json")
+
+
+def save_split(folder: str, dm: FederatedDataModule) -> None:
+    """``dm.save`` into ``folder``, never over a file already there (a continuing run's are the same) and never
+    half-written: the files are written into a temporary folder beside them and renamed into place."""
+    if os.path.exists(os.path.join(folder, "partition.json")):  # always saved (data_split.json: with a pool split)
+        return
+    tmp = tempfile.mkdtemp(prefix=".split-", dir=folder)
+    try:
+        dm.save(tmp)
+        for name in SPLIT_FILES:
+            made, kept = os.path.join(tmp, name), os.path.join(folder, name)
+            if os.path.exists(made) and not os.path.exists(kept):
+                os.replace(made, kept)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resume_path(cfg: DictConfig) -> str | None:

@@ -43,7 +43,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
 from flx.metrics.auc import AUROCs
-from flx.metrics.client_summary import ClientCells, PerClientAccuracy, PerClientLoss, PerClientMSE
+from flx.metrics.client_summary import SUMMARY, ClientCells, PerClientAccuracy, PerClientLoss, PerClientMSE
 from flx.metrics.sync import LOCAL
 from flx.models import heads
 from flx.task_spec import CLASSES, REAL, TARGETS, TOKENS, mismatch
@@ -107,6 +107,15 @@ class SplitMetrics(nn.Module):
         """The per-client metric (NaN for a client without rows); resets it."""
         raise NotImplementedError
 
+    def names(self) -> tuple[str, ...]:
+        """The keys of :meth:`values` (without computing anything)."""
+        return ("loss",)
+
+    def client_names(self) -> tuple[str, ...]:
+        """The per-client summaries logged where the split has per-client rows: ``client_<key>_{mean,worst,std}``
+        (:func:`flx.metrics.client_summary.summarize`); none without a per-client metric."""
+        return () if self.client_key is None else tuple(f"client_{self.client_key}_{k}" for k in SUMMARY)
+
 
 class ClassificationMetrics(SplitMetrics):
     """``acc`` (micro), ``loss``; with 2 classes also AUROC and standardised pAUC (FPR <= 0.3, 0.5) of the margin
@@ -142,6 +151,9 @@ class ClassificationMetrics(SplitMetrics):
         self.client.reset()
         return per_client
 
+    def names(self) -> tuple[str, ...]:
+        return ("acc", "loss", *(self.auc.keys() if self.auc is not None else ()))
+
 
 class RegressionMetrics(SplitMetrics):
     """``loss``, ``mse`` and ``rmse`` (over every row and target column); per client: the MSE."""
@@ -166,6 +178,9 @@ class RegressionMetrics(SplitMetrics):
         self.mse.reset()
         return {"loss": self.loss, "mse": mse, "rmse": mse.sqrt()}
 
+    def names(self) -> tuple[str, ...]:
+        return ("loss", "mse", "rmse")
+
     def client_values(self) -> Tensor:
         per_client = self.client.compute()
         self.client.reset()
@@ -187,6 +202,9 @@ class CustomMetrics(SplitMetrics):
 
     def values(self) -> dict[str, Metric | Tensor]:
         return {"loss": self.loss} | ({self.metric_name: self.metric} if self.metric is not None else {})
+
+    def names(self) -> tuple[str, ...]:
+        return ("loss",) if self.metric is None else ("loss", self.metric_name)
 
 
 class Task:
@@ -220,6 +238,13 @@ class Task:
     def metrics(self, num_classes: int, num_clients: int) -> SplitMetrics:
         """A fresh set of one split's evaluation metrics."""
         return SplitMetrics(self.loss)
+
+    def metric_names(self, num_classes: int, client_rows: bool) -> tuple[str, ...]:
+        """The names (without the split) of what one evaluation of a split logs: the metrics of :meth:`metrics`
+        (``loss``, ``acc``, ...) and, where the split has per-client rows (``client_rows``), their per-client
+        summaries (``client_acc_mean``, ...). What ``checkpoint.monitor`` may name under ``val/``."""
+        metrics = self.metrics(num_classes, 1)
+        return metrics.names() + (metrics.client_names() if client_rows else ())
 
     def check_data(self, data: TensorData) -> None:
         """Raises a one-line :class:`~flx.errors.ConfigError` unless the data's targets are the task's kind."""
@@ -315,6 +340,9 @@ class MaskedLMMetrics(SplitMetrics):
 
     def values(self) -> dict[str, Metric | Tensor]:
         return {"loss": self.loss, "acc": self.acc, "ppl": self.loss.compute().exp()}
+
+    def names(self) -> tuple[str, ...]:
+        return ("loss", "acc", "ppl")
 
     def client_values(self) -> Tensor:
         per_client = self.client.compute()

@@ -61,6 +61,10 @@ class Adapt(FederatedCallback):
         self._steps = p.steps
 
     @override
+    def metric_names(self) -> tuple[str, ...]:
+        return tuple(f"{{split}}/adapted{k}_*" for k in self.params.also_steps)
+
+    @override
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._log_more(pl_module, "val")
 

@@ -66,6 +66,10 @@ class ClientLoss(FederatedCallback):
         self.last: Tensor | None = None  # the latest (N,) vector, for inspection
 
     @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("train/client_loss_max", "train/client_loss_mean") if self.params.enabled else ()
+
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fed = getattr(pl_module, "federation", None)
         # fed.rnd is None until the first round: a validation before any round has no global model to report on

@@ -283,6 +283,10 @@ class LambdaSampling(FederatedCallback):
 
     # ------------------------------------------------------------------ logging and checkpoint
     @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("lambda/*",)
+
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.lam is None or not trainer.loggers:
             return

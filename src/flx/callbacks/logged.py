@@ -17,6 +17,11 @@ class LoggedMetrics(FederatedCallback):
     def values(self, fed: Any) -> dict[str, float]:
         raise NotImplementedError
 
+    @override
+    def metric_names(self) -> tuple[str, ...]:
+        """Any key under each split (``{split}/*``); a subclass that knows its keys names them."""
+        return ("{split}/*",)
+
     def _log(self, split: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return

@@ -111,11 +111,11 @@ class MetaUpdate(FederatedCallback):
             raise bad_value("algo.aggregator", cfg.aggregator, "AugFL's server step (Eq. 13) needs admm_sum")
         if cfg.server.lr != 1 or cfg.server.momentum != 0:
             raise bad_value("algo.server.lr", cfg.server.lr, "Eq. 13 is the server step itself: sgd, lr 1, momentum 0")
+        _require_support(datamodule.clients.client_support)
 
     @override
     def on_attach(self, fed: Federation) -> None:
-        if fed.data.client_support is None:
-            raise bad_value("partition", "(no support sets)", "AugFL needs support and query sets: partition=few_shot")
+        _require_support(fed.data.client_support)
         self._total = sum(fed.num_samples(c) for c in range(fed.num_clients))
 
     def delta(self, client: ClientContext, t_client: int) -> float:
@@ -161,3 +161,8 @@ class MetaUpdate(FederatedCallback):
                 torch._foreach_mul_(floats, p.rho)
         client.weight = p.rho
         return loss
+
+
+def _require_support(support: Any) -> None:
+    if support is None:
+        raise bad_value("partition", "(no support sets)", "AugFL needs support and query sets: partition=few_shot")

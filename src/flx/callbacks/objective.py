@@ -49,6 +49,10 @@ class Objective(FederatedCallback):
         self.bound = False
 
     @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("train/h", "train/objective")
+
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fed = getattr(pl_module, "federation", None)
         if trainer.sanity_checking or fed is None or fed.rnd is None:

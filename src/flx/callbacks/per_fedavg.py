@@ -32,7 +32,7 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext
+    from flx.context import ClientContext, FederationConfig
     from flx.federation import Federation
 
 
@@ -58,11 +58,12 @@ class PerFedAvg(FederatedCallback):
             raise bad_value("algo.delta", p.delta, "> 0")
 
     @override
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+        _require_support(datamodule.clients.client_support)
+
+    @override
     def on_attach(self, fed: Federation) -> None:
-        if fed.data.client_support is None:
-            raise bad_value(
-                "partition", "(no support sets)", "Per-FedAvg needs support and query sets: partition=few_shot"
-            )
+        _require_support(fed.data.client_support)
 
     @override
     def local_update(self, fed: Federation, client: ClientContext) -> Tensor:
@@ -76,3 +77,9 @@ class PerFedAvg(FederatedCallback):
                 torch._foreach_add_(fed.params, g_hat, alpha=-beta)
             total += loss.double().cpu()
         return total / max(client.num_steps, 1)
+
+
+def _require_support(support: Any) -> None:
+    if support is None:
+        why = "Per-FedAvg needs support and query sets: partition=few_shot"
+        raise bad_value("partition", "(no support sets)", why)

@@ -32,7 +32,7 @@ Symbols: ``lam`` (:math:`\lambda`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,12 +46,12 @@ from flx.losses.crd import CRD
 from flx.losses.distill import RH_OPTIONS, l2_to_pm_grad, logit_kd
 from flx.models.build import net_from_config
 from flx.models.features import feature_dim, penultimate
-from flx.models.frozen import freeze, pretrained_on
+from flx.models.frozen import cache_fingerprint, check_cache, freeze, pretrained_on
 from flx.models.pretrain import PretrainParams
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
-    from flx.context import RoundContext
+    from flx.context import FederationConfig, RoundContext
     from flx.federation import Federation
 
 GRADIENTS = ("paper", "code")
@@ -100,21 +100,49 @@ class PMRegularizer(FederatedCallback):
         self.pm_net: nn.Module | None = None
         self.head_opt: torch.optim.Optimizer | None = None
         self._restored: dict[str, Any] | None = None
+        # what the PM trained in the run is made from (flx.models.frozen.cache_fingerprint): set by check_setup,
+        # stored next to the cache file; None for a federation built by hand (no check, none stored)
+        self.cache_fingerprint: dict[str, Any] | None = None
 
     @property
     def active(self) -> bool:
         return self.params.lam > 0
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+        """The PM and the server rows exist; a PM cached by an earlier run (``cache``) was made from this run's
+        server rows, model, recipe and seed. Before anything is written."""
         if not self.active:
             return
-        p, res = self.params, fed.resources
+        res = datamodule.server_resources
+        self._require(res)
+        p = self.params
+        if p.pm in res.models or p.cache is None:
+            return
+        x, y = datamodule.clients.x[res.rows], datamodule.clients.y[res.rows]
+        recipe = {
+            k: v
+            for k, v in asdict(PretrainParams(**p.pretrain, key_prefix="algo.pm_pretrain.")).items()
+            if k != "key_prefix"
+        }
+        seed = derive_seed(cfg.seed, _TAG, 2)
+        self.cache_fingerprint = cache_fingerprint(p.pm_model, x, y, recipe, seed, datamodule.data.num_classes)
+        check_cache(p.cache, self.cache_fingerprint, "algo.pm_cache")
+
+    def _require(self, res: Any) -> None:
+        p = self.params
         if res is None or (p.pm not in res.models and p.pm_model is None):
             why = "no such server model: add server.models.pm (scripts/pretrain_pm.py trains one), or algo.lam=0"
             raise bad_value(f"algo.pm={p.pm}", "missing", why)
         if (p.rh != "l2" or p.pm not in res.models) and not len(res.rows):
             raise bad_value("data.server_fraction", 0, f"AugFL's R_h={p.rh} needs server rows: set a fraction > 0")
+
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        if not self.active:
+            return
+        p, res = self.params, fed.resources
+        self._require(res)
         self.pm_net = pm = self._load_pm(fed).to(fed.params[0].device)
         if p.rh == "l2":
             l2_to_pm_grad(fed.params, list(pm.parameters()))  # checks the architectures now, not at round 0
@@ -140,7 +168,7 @@ class PMRegularizer(FederatedCallback):
             return freeze(net_from_config(p.pm_model, x.shape[1:], classes))
         recipe = PretrainParams(**p.pretrain, key_prefix="algo.pm_pretrain.")
         seed = derive_seed(fed.cfg.seed, _TAG, 2)
-        return pretrained_on(p.pm_model, x, y, recipe, seed, p.cache, classes)
+        return pretrained_on(p.pm_model, x, y, recipe, seed, p.cache, classes, fingerprint=self.cache_fingerprint)
 
     def _sgd(self, params: Any) -> torch.optim.Optimizer:
         p = self.params

@@ -58,6 +58,11 @@ class Structure(LoggedMetrics):
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         self.truths = client_truth(datamodule.data, datamodule.client_train).double()
 
+    @override
+    def metric_names(self) -> tuple[str, ...]:
+        keys = (SUPPORT, LOW_RANK) if self.truths is None else (SUPPORT if self.truths.dim() == 2 else LOW_RANK,)
+        return tuple(f"{{split}}/{p}{k}{s}" for ks in keys for k in ks for p, s in (("", ""), ("personal_", "_mean")))
+
     def _index(self, fed: Federation) -> int:
         names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
         hits = [i for i, n in enumerate(names) if fnmatch.fnmatch(n, self.param)]

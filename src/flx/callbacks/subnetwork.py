@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from typing_extensions import override
 
 from flx.callbacks import whale_utility as wu
@@ -120,24 +121,38 @@ class Subnetwork(FederatedCallback):
 
     # ------------------------------------------------------------------ setup
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def check_federation(self, datamodule: Any, fed: Federation, net: nn.Module) -> None:
+        """The aggregator, the simulated devices, a width-scalable net, a device profile per level and a level cap
+        per device type: all decided by the config, checked before anything is written (and again at attach, for a
+        federation built by hand)."""
+        self._require(fed, net, datamodule.num_clients)
+
+    def _require(self, fed: Federation, net: nn.Module, num_clients: int) -> None:
         p = self.params
         if fed.cfg.aggregator != "count_mean":
             raise bad_value("algo.aggregator", fed.cfg.aggregator, "sub-networks need count_mean")
         if fed.system is None:
             raise ConfigError("system=none: sub-network scheduling needs simulated devices, e.g. system=mobile20")
-        if not hasattr(fed.net, "width_groups") or not hasattr(fed.net, "set_width"):
+        if not hasattr(net, "width_groups") or not hasattr(net, "set_width"):
             raise bad_value(
                 "model",
-                type(fed.net).__name__,
+                type(net).__name__,
                 "not width-scalable: use model=cnn_scalable|resnet18_scalable|transformer_scalable",
             )
         for level in range(1, p.levels + 1):
             if wu.width(level, p.s) not in fed.system.widths:
                 raise bad_value("algo.levels", p.levels, f"width s^{level - 1} has no device profile (s={p.s})")
-        types = {fed.system.device_type(c) for c in range(fed.num_clients)}
+        types = {fed.system.device_type(c) for c in range(num_clients)}
         if missing := sorted(types - set(p.max_levels)):
             raise bad_value("algo.max_levels", dict(p.max_levels), f"no level for device types {missing}")
+
+    @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("whale/*", "sim/time_to_target")
+
+    @override
+    def on_attach(self, fed: Federation) -> None:
+        self._require(fed, fed.net, fed.num_clients)
         if len(self.windows) != fed.num_clients:  # a resumed run loaded them with the checkpoint
             self.windows = [[] for _ in range(fed.num_clients)]
         fed.register_stat(_FI2, torch.zeros(fed.num_clients, dtype=fed.params[0].dtype))

@@ -125,6 +125,10 @@ class AUROCs(Metric):
         self.add_state("scores", [], dist_reduce_fx="cat")
         self.add_state("target", [], dist_reduce_fx="cat")
 
+    def keys(self) -> tuple[str, ...]:
+        """The keys :meth:`compute` returns: ``("auroc", "pauc_0.3", "pauc_0.5")`` by default."""
+        return ("auroc", *(_key(m) for m in self.max_fprs))
+
     def update(self, scores: Tensor, target: Tensor) -> None:
         scores, target = _check(scores, target)
         self.scores.append(scores)

@@ -169,6 +169,12 @@ class PerClientLoss(Metric):
         return self.loss_sum / self.rows.double(), self.rows.clone()
 
 
+SUMMARY = ("mean", "worst", "std")
+"""The keys of :func:`summarize`."""
+SPREAD = ("mean", "worst", "p10")
+"""The keys of :func:`spread`."""
+
+
 def summarize(values: Tensor, higher_is_better: bool = True) -> dict[str, Tensor]:
     """Mean, worst (min, or max when lower is better: errors) and std (population) over the clients that have
     test samples."""

@@ -14,6 +14,9 @@ are read with ``weights_only=True``: a checkpoint cannot run code.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,6 +72,45 @@ def freeze(net: nn.Module) -> nn.Module:
     return net.eval()
 
 
+def cache_fingerprint(
+    model_cfg: Mapping[str, Any], x: Tensor, y: Tensor, recipe: Mapping[str, Any], seed: int, num_classes: int
+) -> dict[str, Any]:
+    """What a net trained by :func:`pretrained_on` depends on, as stored next to its cache file
+    (``<cache>.json``): the sha256 of the training rows (``x`` and ``y`` as the store holds them: the data and its
+    split), the model config, the recipe, the seed and the classes. Plain JSON types."""
+    digest = hashlib.sha256()
+    for t in (x, y):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    plain = json.loads(json.dumps({"model": dict(model_cfg), "recipe": dict(recipe)}, sort_keys=True, default=str))
+    return {"data": digest.hexdigest(), **plain, "seed": int(seed), "classes": int(num_classes)}
+
+
+_MADE_FROM = {"data": "training rows (data, split)", "model": "model config", "recipe": "recipe", "classes": "classes"}
+
+
+def fingerprint_file(cache: str | Path) -> Path:
+    """The file that holds the :func:`cache_fingerprint` of the net cached in ``cache``."""
+    return Path(f"{cache}.json")
+
+
+def check_cache(cache: str | Path | None, fingerprint: Mapping[str, Any], key: str) -> None:
+    """Raises one line (naming ``key``) when the net cached in ``cache`` was made from something else than
+    ``fingerprint`` describes, or carries no fingerprint; nothing to check when there is no such file yet."""
+    if cache is None or not Path(cache).exists():
+        return
+    try:
+        saved = json.loads(fingerprint_file(cache).read_text())
+    except (OSError, ValueError):
+        why = f"holds a model without a readable fingerprint ({fingerprint_file(cache).name}): cannot tell what made it"
+        raise bad_value(key, str(cache), f"{why}; move it away or set {key} to another file") from None
+    diff = [k for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
+    if diff:
+        why = f"was made from other {' and '.join(_MADE_FROM.get(k, k) for k in diff)} than this run's"
+        raise bad_value(key, str(cache), f"{why}; move it away or set {key} to another file")
+
+
 def pretrained_on(
     model_cfg: Mapping[str, Any],
     x: Tensor,
@@ -78,10 +120,13 @@ def pretrained_on(
     cache: str | Path | None,
     num_classes: int,
     save: bool = True,
+    fingerprint: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """A frozen net of ``model_cfg`` trained on ``(x, y)`` (:func:`flx.models.pretrain.fit`, seeded by ``seed``), or
     read from ``cache`` when that file exists; a newly trained net is written there (``save``: rank 0), so a resumed
-    run uses the very same model. AugFL's PM when the config gives none: trained on the server rows at the start."""
+    run uses the very same model. AugFL's PM when the config gives none: trained on the server rows at the start.
+    With ``fingerprint`` (:func:`cache_fingerprint`) it is written to ``<cache>.json`` before the net (a cache file
+    always has one); the caller checks an existing cache against it first (:func:`check_cache`)."""
     torch.manual_seed(seed)
     net = net_from_config(model_cfg, x.shape[1:], num_classes).to(device=x.device)
     if x.is_floating_point():
@@ -94,11 +139,21 @@ def pretrained_on(
         return freeze(net)
     fit(net, x, y, recipe, torch.Generator().manual_seed(seed))
     if save and cache is not None:
+        if fingerprint is not None:
+            _write_json(fingerprint_file(cache), fingerprint)
         try:
             save_state_dict(net, cache)
         except FileExistsError:  # written meanwhile by another process of the same run: the same model
             pass
     return freeze(net)
+
+
+def _write_json(path: Path, obj: Mapping[str, Any]) -> None:
+    """``obj`` as JSON in ``path``, atomically (a complete temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, sort_keys=True, indent=1))
+    os.replace(tmp, path)
 
 
 def _eval_only(self: nn.Module, mode: bool = True) -> nn.Module:

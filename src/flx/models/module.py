@@ -24,11 +24,38 @@ from torch import Tensor, nn
 
 from flx.faults import Diverged
 from flx.federation import Federation
-from flx.hooks import FederatedCallback
-from flx.metrics.client_summary import spread, summarize
+from flx.hooks import FederatedCallback, overrides
+from flx.metrics.client_summary import SPREAD, spread, summarize
 from flx.metrics.sync import reduce_sums, summed
 from flx.tasks import Classification, Task
 from flx.wandb_logging import ROUND, log_wandb, wandb_loggers
+
+
+def metric_names(task: Task, parts: list[Any], datamodule: Any, simulated: bool) -> tuple[str, ...]:
+    """Every key a run of this module logs into Lightning's metrics during fit (``trainer.callback_metrics``: what
+    ``checkpoint.monitor`` may name), known at build time: ``train/loss``, ``fl/round``, ``sim/round_time`` and
+    ``sim/clock`` (``simulated``: a ``system``), each evaluated split's task metrics (:meth:`Task.metric_names`) and
+    personalised summaries (``{split}/personal_<key>_{mean,worst,p10}`` with a part that personalises), and the parts'
+    own (:meth:`FederatedCallback.metric_names`; ``{split}`` expanded, ``*`` patterns kept).
+
+    Args:
+        task: the run's task.
+        parts: the algorithm's parts (others are skipped).
+        datamodule: the set-up :class:`~flx.datamodules.datamodule.FederatedDataModule`.
+        simulated: whether the run has a simulated system (``system=``).
+    """
+    fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
+    names = ["train/loss", ROUND, *(("sim/round_time", "sim/clock") if simulated else ())]
+    personal = any(overrides(p, "personalize") for p in fed_parts)
+    splits = list(dict.fromkeys(loader.split for loader in datamodule.eval_plan("val")))
+    for split in splits:
+        rows = datamodule.has_client_rows(split)
+        names += [f"{split}/{n}" for n in task.metric_names(datamodule.data.num_classes, rows)]
+        names += [f"{split}/personal_{task.client_key}_{k}" for k in SPREAD] if personal and rows else []
+    for part in fed_parts:
+        for name in part.metric_names():
+            names += [name.format(split=s) for s in splits] if "{split}" in name else [name]
+    return tuple(dict.fromkeys(names))
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
