@@ -415,6 +415,10 @@ def _check_run(cfg: DictConfig) -> None:
     policy = OmegaConf.select(cfg, "fault.policy")
     if policy not in FAULT_POLICIES:
         raise bad_value("fault.policy", policy, f"allowed: {', '.join(FAULT_POLICIES)}")
+    if OmegaConf.select(cfg, "fault.diverge_factor") is not None:
+        _check(cfg, "fault.diverge_factor", lambda v: v > 1, "must be a number > 1 (null: the rule is off)")
+    if OmegaConf.select(cfg, "fault.diverge_rounds") is not None:
+        _int(cfg, "fault.diverge_rounds", 1)
     single = cfg.algo.get("single_row_batch", "auto")
     if single not in SINGLE_ROW_BATCH:
         raise bad_value("algo.single_row_batch", single, f"allowed: {', '.join(SINGLE_ROW_BATCH)}")
