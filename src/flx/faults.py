@@ -126,11 +126,11 @@ def judge(
     return faults
 
 
-def check_global_model(tensors: Sequence[Tensor], r: int, lower: str) -> None:
-    """Raises :class:`Diverged` if the global model after round ``r``'s server step is not finite (``lower``: the
-    knob to name, :func:`knob`)."""
+def check_global_model(tensors: Sequence[Tensor], r: int, lower: Callable[[], str]) -> None:
+    """Raises :class:`Diverged` if the global model after round ``r``'s server step is not finite (``lower()``: the
+    knob to name, :func:`knob`; asked only then)."""
     if not all_finite(tensors):
-        raise Diverged(f"diverged in round {r}: the global model is not finite after the server step; lower {lower}")
+        raise Diverged(f"diverged in round {r}: the global model is not finite after the server step; lower {lower()}")
 
 
 class DivergenceWatch:

@@ -278,6 +278,8 @@ class Federation:
     def _judge_divergence(self) -> None:
         """Sets ``L_0`` after the first round's reduce (a cohort without rows leaves it to the next round), then
         counts the round's training loss against the divergence rule."""
+        if self.divergence.factor is None:
+            return
         if self.divergence.needs_reference():
             rows = float(self.counters[COUNTERS.index("initial_rows")])
             if rows > 0:
@@ -359,7 +361,7 @@ class Federation:
             _copy(self.params, self.global_params)
             _copy(self.float_buffers, [m.to(b.dtype) for b, m in zip(self.float_buffers, mean[n:])])
             _copy(self.other_buffers, self.global_other)
-        check_global_model(self.local_state, self.rnd.round + 1, self.knob())
+        check_global_model(self.local_state, self.rnd.round + 1, self.knob)
 
     def _round_faults(self) -> RoundFaults:
         """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
