@@ -157,6 +157,25 @@ CASES = [
     # --- top-level and trainer values ---
     Case("eval-every-zero", ("eval_every=0",), ("eval_every=0", ">= 1")),
     Case("seed-negative", ("seed=-1",), ("seed=-1", ">= 0")),
+    # --- sizes beyond what numpy, torch and the OS take (each used to end in a traceback) ---
+    Case("seed-huge", ("seed=99999999999999999999",), ("seed=99999999999999999999", ">= 0 and <= 4294967295")),
+    Case("seed-above-32-bits", ("seed=4294967296",), ("seed=4294967296", ">= 0 and <= 4294967295")),
+    Case("partition-seed-huge", ("partition.seed=4294967296",), ("partition.seed=4294967296", "<= 4294967295")),
+    Case(
+        "batch-size-huge",
+        ("algo.batch_size=99999999999999999999",),
+        ("algo.batch_size=99999999999999999999", ">= 1 and <= 2147483647"),
+    ),
+    Case(
+        "eval-batch-size-huge",
+        ("data.eval_batch_size=2147483648",),
+        ("data.eval_batch_size=2147483648", "<= 2147483647"),
+    ),
+    Case("num-threads-huge", ("num_threads=100000",), ("num_threads=100000", ">= 1 and <= ", "per CPU core")),
+    Case("num-threads-zero", ("num_threads=0",), ("num_threads=0", ">= 1 and <= ")),
+    Case("diverge-factor-one", ("fault.diverge_factor=1",), ("fault.diverge_factor=1", "> 1", "null")),
+    Case("diverge-factor-text", ("fault.diverge_factor=big",), ("fault.diverge_factor=", "big", "number")),
+    Case("diverge-rounds-zero", ("fault.diverge_rounds=0",), ("fault.diverge_rounds=0", ">= 1")),
     Case("precision-unknown", ("trainer.precision=12",), ("trainer.precision=12", "32-true", "bf16-mixed")),
     Case("limit-negative", ("trainer.limit_train_batches=-3",), ("trainer.limit_train_batches=-3", "fraction")),
     Case("limit-fraction-above-1", ("trainer.limit_train_batches=1.5",), ("trainer.limit_train_batches=1.5", "(0, 1]")),
@@ -389,3 +408,49 @@ def test_hydra_flags_are_left_to_hydra(tmp_path: Path) -> None:
     rc, out, err = run_train("--cfg", "job", "algo=fedprox", run_dir=tmp_path / "run", data_dir=tmp_path / "data")
     assert rc == 0, err
     assert "name: fedprox" in out and "mu: 0.01" in out
+
+
+# --- the run folder: a real write probe ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_run_folder_under_proc_gives_one_line(tmp_path: Path) -> None:
+    """`hydra.run.dir=/proc/flxrun` passed the old check as root (os.access says yes to root everywhere) and ended in
+    a traceback when Hydra made the folder: the probe of the nearest existing ancestor (/proc) refuses it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rc, out, err = run_train(run_dir=Path("/proc/flxrun"), data_dir=data)
+    assert_one_line_error(rc, out, err, ["hydra.run.dir='/proc/flxrun'", "/proc is not writable", "another folder"])
+    assert not os.path.exists("/proc/flxrun")
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder``: a file's sha256, or "dir"."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def test_run_folder_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    """The probe makes a folder and a file in the nearest existing ancestor and removes both: the ancestor's tree
+    (names and sha256 of every file) is the same after a passing check, and the missing folders are not made; an
+    ancestor that is a file is refused by name."""
+    from omegaconf import OmegaConf
+
+    from flx.config import _check_run_dir
+    from flx.errors import ConfigError
+
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "notes.txt").write_bytes(b"keep me\n")
+    (tmp_path / "file").write_bytes(b"x")
+    cfg = OmegaConf.create({"paths": {"log_dir": str(tmp_path / "logs")}})
+    before = _tree(tmp_path)
+    _check_run_dir([f"hydra.run.dir={tmp_path / 'a' / 'b' / 'run'}"], cfg)
+    _check_run_dir([f"hydra.run.dir={tmp_path / 'earlier'}"], cfg)
+    _check_run_dir([], cfg)
+    assert _tree(tmp_path) == before
+    with pytest.raises(ConfigError, match=r"hydra.run.dir=.*file/run.*file is not a folder"):
+        _check_run_dir([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], cfg)

@@ -5,7 +5,8 @@
 * a SLURM requeue signal finishes the round, checkpoints, requeues (``scontrol``, a stub here) and resumes the same
   (tests/test_slurm.py does it on a real local cluster);
 * a client with a NaN update is dropped with a warning; a round of NaN updates, or ``algo.lr=1e8``, stops the run
-  with one line and exit status 3, keeping the last finite checkpoint;
+  with one line and exit status 3, keeping the last finite checkpoint; so does a finite blow-up (``algo.lr=3``),
+  naming the knob that drove it;
 * a full disk and a read-only output folder give one line and exit status 2, keeping what was written.
 
 All runs are subprocesses (marked slow). The uninterrupted default run (`default_run`, tests/conftest.py) is shared
@@ -157,6 +158,29 @@ def test_huge_learning_rate_stops_as_diverged(tmp_path: Path) -> None:
     assert "lower algo.lr (now 1e+08)" in lines[-1] and sum("error" in line for line in lines) == 1
     for path in (out / "checkpoints").glob("*.ckpt"):
         assert all(torch.isfinite(t).all() for t in ckpt(path)["state_dict"].values()), path
+
+
+def test_finite_blow_up_stops_naming_the_knob_and_can_be_switched_off(tmp_path: Path) -> None:
+    """`algo.lr=3` used to exit 0 with train losses ~4e7 and chance accuracy: the finite-divergence rule stops it in
+    round 2 (train/loss above 100 x the initial loss in rounds 1 and 2), one line naming algo.lr, exit 3, no
+    checkpoint of a diverged round reported as a result. FedAdam with algo.server.lr=1e8 names the server's lr.
+    `fault.diverge_factor=null` lets `algo.lr=3` run on."""
+    out = tmp_path / "client"
+    proc = run(out, "algo.lr=3")
+    lines = flx_lines(proc.stderr)
+    assert proc.returncode == 3 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("flx: error: diverged in round 2: train/loss ") and "above 100 x the initial" in lines[0]
+    assert lines[0].endswith("lower algo.lr (now 3)") and "final test_acc" not in proc.stdout
+    assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 1  # round 2 is never saved
+
+    server = run(tmp_path / "server", "algo=fedadam", "algo.server.lr=1e8")
+    lines = flx_lines(server.stderr)
+    assert server.returncode == 3 and len(lines) == 1, server.stderr[-3000:]
+    assert lines[0].startswith("flx: error: diverged in round 2") and lines[0].endswith("algo.server.lr (now 1e+08)")
+
+    off = run(tmp_path / "off", "algo.lr=3", "fault.diverge_factor=null", "algo.rounds=3")
+    assert off.returncode == 0 and not flx_lines(off.stderr), off.stderr[-3000:]
+    assert "final test_acc" in off.stdout
 
 
 def _mount_tmpfs(where: Path, options: str) -> None:

@@ -21,9 +21,10 @@ from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
 from flx.datamodules.datamodule import ClientStore
-from flx.faults import ClientFault, Diverged, RoundFaults, all_finite
-from flx.federation import derive_seed, local_batches
+from flx.faults import ClientFault, Diverged, DivergenceWatch, RoundFaults, all_finite, knob
+from flx.federation import Federation, FederationConfig, derive_seed, local_batches
 from flx.hooks import FederatedCallback
+from flx.server import ServerOptConfig, ServerOptimizer
 
 
 class PoisonClient(FederatedCallback):
@@ -224,3 +225,129 @@ def test_all_finite_finds_any_bad_entry(dtype: torch.dtype) -> None:
     plus, minus = torch.zeros(4, dtype=dtype), torch.zeros(4, dtype=dtype)
     plus[0], minus[1] = float("inf"), -float("inf")
     assert not all_finite([plus, minus])
+
+
+# --- the finite-divergence rule (fault.diverge_factor, fault.diverge_rounds) ------------------------------------------
+
+
+def _fires_at(losses: list[float | None], reference: float = 2.0, factor: float = 10.0, rounds: int = 2) -> int | None:
+    """The 1-based round at which :class:`DivergenceWatch` stops on ``losses`` (None: it never does)."""
+    watch = DivergenceWatch(factor, rounds)
+    watch.set_reference(reference)
+    for r, loss in enumerate(losses, start=1):
+        try:
+            watch.observe(r, loss, lambda: "algo.lr (now 3)")
+        except Diverged:
+            return r
+    return None
+
+
+@pytest.mark.parametrize(
+    ("losses", "expected"),
+    [
+        ([1.9, 25.0, 25.0], 3),  # above c L_0 = 20 in rounds 2 and 3
+        ([1e7, 2e7, 1.9], 2),  # a blow-up inside round 1 counts from round 1
+        ([25.0, 19.0, 25.0, 1.0, 25.0], None),  # never twice in a row
+        ([25.0, 20.0, 25.0], None),  # exactly c L_0 is not above it
+        ([25.0, None, 25.0], 3),  # a round without aggregated clients leaves the count as it is
+        ([0.5] * 50, None),
+    ],
+)
+def test_divergence_rule_fires_exactly_after_r_rounds_above_c_times_the_initial_loss(losses, expected) -> None:
+    """Stop at round t iff L_s > c L_0 for s = t-r+1..t (c = 10, r = 2, L_0 = 2 here)."""
+    assert _fires_at(losses) == expected
+
+
+def test_divergence_rule_variants_and_switches() -> None:
+    """r = 1 stops at the first round above; factor None (fault.diverge_factor=null) and an initial loss that is not
+    a finite number > 0 switch the rule off."""
+    assert _fires_at([1.0, 21.0], rounds=1) == 2
+    assert _fires_at([1e30] * 10, factor=None) is None
+    assert _fires_at([1e30] * 10, reference=0.0) is None
+    assert _fires_at([1e30] * 10, reference=float("nan")) is None
+
+
+def test_divergence_message_names_round_value_rule_and_knob() -> None:
+    watch = DivergenceWatch(100.0, 2)
+    watch.set_reference(2.302)
+    watch.observe(1, 3.9e7, lambda: "algo.lr (now 3)")
+    with pytest.raises(Diverged) as err:
+        watch.observe(2, 5.2e7, lambda: "algo.lr (now 3)")
+    assert str(err.value) == (
+        "diverged in round 2: train/loss 5.2e+07 above 100 x the initial loss 2.302 for 2 round(s) in a row "
+        "(fault.diverge_factor, fault.diverge_rounds; null switches the rule off); lower algo.lr (now 3)"
+    )
+
+
+def test_divergence_state_resumes_mid_streak() -> None:
+    """The initial loss and the count are checkpointed: a run resumed after one round above stops one round later,
+    as the uninterrupted run does."""
+    first = DivergenceWatch(10.0, 3)
+    first.set_reference(2.0)
+    first.observe(1, 30.0, str)
+    resumed = DivergenceWatch(10.0, 3)
+    resumed.load_state_dict(first.state_dict())
+    assert not resumed.needs_reference()
+    resumed.observe(2, 30.0, str)
+    with pytest.raises(Diverged, match="round 3"):
+        resumed.observe(3, 30.0, str)
+
+
+def test_knob_is_the_server_lr_only_when_the_server_step_outran_the_clients() -> None:
+    cfg = FederationConfig(lr=3.0, server=ServerOptConfig(name="adam", lr=1e8))
+    assert knob(cfg, 1.0) == "algo.lr (now 3)"
+    assert knob(cfg, 0.01) == "algo.lr (now 3)"
+    assert knob(cfg, 1.5) == "algo.server.lr (now 1e+08)"
+    assert knob(cfg, float("inf")) == knob(cfg, float("nan")) == "algo.server.lr (now 1e+08)"
+
+
+def test_server_amplification_closed_forms() -> None:
+    """||w_{t+1} - w_t|| / ||Delta||: 1 for plain averaging; eta_s for SGD without momentum; for FedAdam's first step
+    on one scalar, eta_s (1 - b1) / (sqrt(1 - b2) |Delta| + tau) (m = (1 - b1) Delta, v = (1 - b2) Delta^2)."""
+    delta = 0.5
+    for cfg, expected in [
+        (ServerOptConfig(), 1.0),
+        (ServerOptConfig(lr=0.5), 0.5),
+        (ServerOptConfig(lr=4.0), 4.0),
+        (ServerOptConfig(name="adam", lr=0.01), 0.01 * 0.1 / (0.1 * delta + 1e-3)),
+    ]:
+        w = [torch.zeros((), dtype=torch.float64)]
+        opt = ServerOptimizer(w, cfg)
+        opt.step([torch.full((), delta, dtype=torch.float64)])
+        assert opt.amplification == pytest.approx(expected, rel=1e-12)
+        assert ServerOptimizer(w, cfg).amplification == 1.0  # before any step
+        resumed = ServerOptimizer(w, cfg)
+        resumed.load_state_dict(opt.state_dict())
+        assert resumed.amplification == opt.amplification
+
+
+def _blow_up_fed(**cfg) -> Federation:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    return make_fed(mlp, toy_data([20, 20, 20]), clients_per_round=3, local_steps=10, batch_size=4, **cfg)
+
+
+def _blow_up_run(**cfg) -> str:
+    """The divergence message of a small MLP run with ``cfg`` (it must diverge within 10 rounds)."""
+    with pytest.raises(Diverged) as err:
+        run_rounds(_blow_up_fed(**cfg), 10)
+    return str(err.value)
+
+
+def test_fedadam_divergence_names_the_server_lr_or_the_client_lr_by_what_drove_it() -> None:
+    """FedAdam with eta_s = 1e8 (clients fine): the server step drove it, the message names algo.server.lr; FedAdam
+    with its default eta_s and a client lr of 50: the clients drove it, algo.lr."""
+    server = _blow_up_run(lr=0.05, server=ServerOptConfig(name="adam", lr=1e8))
+    assert "lower algo.server.lr (now 1e+08)" in server and "algo.lr" not in server.replace("algo.server.lr", "")
+    clients = _blow_up_run(lr=50.0, server=ServerOptConfig(name="adam", lr=0.01))
+    assert clients.endswith("lower algo.lr (now 50)")
+
+
+def test_finite_blow_up_with_plain_averaging_names_algo_lr_and_off_lets_it_run() -> None:
+    """FedAvg (plain averaging can never outrun the clients) with a large client lr: the finite rule stops it,
+    naming algo.lr; with the rule off the same run goes on (its loss stays finite)."""
+    message = _blow_up_run(lr=50.0)
+    assert message.startswith("diverged in round 2: train/loss ") and message.endswith("lower algo.lr (now 50)")
+    fed = _blow_up_fed(lr=50.0, diverge_factor=None)
+    run_rounds(fed, 10)
+    assert fed.server.round == 10 and fed.divergence.reference is None

@@ -169,7 +169,9 @@ def test_the_loss_function_sees_one_client() -> None:
         return F.cross_entropy(out, y)
 
     data = toy_data([10, 3, 10], dtype=torch.float64)
-    fed = make_fed(_mlp(), data, loss_fn=loss, clients_per_round=3, local_steps=1, batch_size=5, vectorize=True)
+    kw = dict(clients_per_round=3, local_steps=1, batch_size=5, vectorize=True)
+    # diverge_factor=None: the divergence rule's one evaluation of the initial model (all 23 rows) is not training
+    fed = make_fed(_mlp(), data, loss_fn=loss, diverge_factor=None, **kw)
     run_rounds(fed, 1)
     assert seen == [((5, 3), (5,)), ((3, 3), (3,)), ((5, 3), (5,))]  # one stack: client 1's 3 rows padded to 5
 

@@ -165,16 +165,49 @@ def _check_wandb(cfg: DictConfig) -> None:
 
 def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
     """The run folder (``hydra.run.dir``, else under ``paths.log_dir``) must be creatable: Hydra creates it before
-    the run starts, so a read-only or unwritable place is reported here, as one line."""
+    the run starts, so a read-only or unwritable place is reported here, as one line.
+
+    ``os.access`` is not asked: it says yes to root everywhere, also on ``/proc`` or a read-only mount. The nearest
+    existing ancestor of the folder is probed instead (:func:`_probe_folder`), which leaves nothing behind."""
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
     log_dir = str(OmegaConf.select(cfg, "paths.log_dir"))
     key, path = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", log_dir)
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        why = "not a folder" if not os.path.isdir(existing) else "not writable"
-        raise bad_value(key, path, f"cannot create the run folder there ({existing} is {why}); choose another folder")
+    why = "is not a folder" if not os.path.isdir(existing) else _probe_folder(existing)
+    if why:
+        raise bad_value(key, path, f"cannot create the run folder there ({existing} {why}); choose another folder")
+
+
+def _probe_folder(folder: str) -> str | None:
+    """Why nothing can be created in the existing ``folder`` (e.g. ``is not writable: Permission denied``), or None.
+
+    Does what Hydra and the run will do there, once and undone: makes a folder, writes a file in it, removes both.
+    """
+    import tempfile
+
+    try:
+        probe = tempfile.mkdtemp(prefix=".flx-probe-", dir=folder)
+    except OSError as e:
+        return f"is not writable: {e.strerror}"
+    try:
+        with open(os.path.join(probe, "probe"), "wb") as f:
+            f.write(b"flx")
+    except OSError as e:
+        return f"is not writable: {e.strerror}"
+    finally:
+        _remove_probe(probe)
+    return None
+
+
+def _remove_probe(probe: str) -> None:
+    """Removes the probe folder of :func:`_probe_folder` and the file it may hold."""
+    for remove, target in ((os.unlink, os.path.join(probe, "probe")), (os.rmdir, probe)):
+        try:
+            remove(target)
+        except OSError:  # the file was never written; nothing else can stop removing what this process made
+            pass
 
 
 def _inside_target(cfg: DictConfig, key: str) -> bool:
@@ -268,10 +301,12 @@ def _num(cfg: DictConfig, key: str) -> Any:
     return value
 
 
-def _int(cfg: DictConfig, key: str, low: int) -> int:
+def _int(cfg: DictConfig, key: str, low: int, high: int | None = None, why: str = "") -> int:
+    """``key``'s value, an integer in ``[low, high]`` (``high`` None: no upper bound; ``why``: the bound's reason)."""
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise bad_value(key, value, f"must be an integer >= {low}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" + ("" if high is None else f" and <= {high}{why}")
+        raise bad_value(key, value, f"must be {allowed}")
     return value
 
 
@@ -282,8 +317,9 @@ def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    for key in ("algo.rounds", "algo.batch_size", *(() if _every_client(cfg) else ("algo.clients_per_round",))):
+    for key in ("algo.rounds", *(() if _every_client(cfg) else ("algo.clients_per_round",))):
         _int(cfg, key, 1)
+    _int(cfg, "algo.batch_size", 1, MAX_BATCH, BATCH_WHY)
     _int(cfg, "algo.local_steps", 0)  # 0 only with a part that replaces the local steps: checked in run.build
     if cfg.algo.get("local_epochs") is not None:
         _int(cfg, "algo.local_epochs", 1)
@@ -392,6 +428,10 @@ def _check_run(cfg: DictConfig) -> None:
     policy = OmegaConf.select(cfg, "fault.policy")
     if policy not in FAULT_POLICIES:
         raise bad_value("fault.policy", policy, f"allowed: {', '.join(FAULT_POLICIES)}")
+    if OmegaConf.select(cfg, "fault.diverge_factor") is not None:
+        _check(cfg, "fault.diverge_factor", lambda v: v > 1, "must be a number > 1 (null: the rule is off)")
+    if OmegaConf.select(cfg, "fault.diverge_rounds") is not None:
+        _int(cfg, "fault.diverge_rounds", 1)
     single = cfg.algo.get("single_row_batch", "auto")
     if single not in SINGLE_ROW_BATCH:
         raise bad_value("algo.single_row_batch", single, f"allowed: {', '.join(SINGLE_ROW_BATCH)}")
@@ -430,6 +470,25 @@ def check_output_dir(path: str, key: str = "paths.output_dir") -> None:
         raise bad_value(key, path, why) from None
 
 
+MAX_SEED = 2**32 - 1
+"""The largest ``seed`` (and ``data.split_seed``, ``partition.seed``): numpy's legacy seeds and Lightning's
+``seed_everything`` take 32 bits. The per-round and per-client seeds derived from it
+(:func:`flx.sampling.derive_seed`) are 63-bit whatever the run seed, within torch's and numpy's ranges."""
+SEED_WHY = " (numpy's and Lightning's seed range)"
+MAX_BATCH = 2**31 - 1
+"""The largest ``algo.batch_size`` and ``data.eval_batch_size``: int32, what every index type accepts (torch's
+``split`` raises an overflow beyond int64). A batch larger than a client's rows is the client's whole data."""
+BATCH_WHY = " (int32; a batch larger than the rows holds all of them)"
+THREADS_PER_CORE = 4
+"""``num_threads`` is at most this many per CPU core: more threads only contend (torch.set_num_threads(100000)
+starts that many threads and the process runs out of memory)."""
+
+
+def max_threads() -> int:
+    """The largest ``num_threads``: :data:`THREADS_PER_CORE` per CPU core of this machine."""
+    return THREADS_PER_CORE * (os.cpu_count() or 1)
+
+
 CLIENT_EVAL = ("holdout", "test_labels", "test_group")
 """What a client's accuracy is measured on (``client_eval``); see ``FederatedDataModule``."""
 MODEL_INITS = ("default", "zeros")
@@ -446,11 +505,11 @@ AGGREGATORS = ("mean", "count_mean", "admm_sum")
 
 def validate(cfg: DictConfig) -> None:
     """Checks value ranges and cross-key constraints; raises :class:`ConfigError` with one line."""
-    _int(cfg, "seed", 0)
+    _int(cfg, "seed", 0, MAX_SEED, SEED_WHY)
     _int(cfg, "eval_every", 1)
-    _int(cfg, "data.eval_batch_size", 1)
+    _int(cfg, "data.eval_batch_size", 1, MAX_BATCH, BATCH_WHY)
     if cfg.get("num_threads") is not None:
-        _int(cfg, "num_threads", 1)
+        _int(cfg, "num_threads", 1, max_threads(), f" ({THREADS_PER_CORE} per CPU core of this machine)")
     if cfg.get("client_eval", "holdout") not in CLIENT_EVAL:
         raise bad_value("client_eval", cfg.client_eval, f"allowed: {', '.join(CLIENT_EVAL)}")
     init = OmegaConf.select(cfg, "model.init", default="default")
@@ -476,7 +535,7 @@ def _check_data(cfg: DictConfig) -> None:
             _check(cfg, f"data.{key}", lambda v: 0 <= v < 1, f"must be in [0, 1) (0: no {split} split)")
     for key in ("data.split_seed", "partition.seed"):
         if OmegaConf.select(cfg, key) is not None:
-            _int(cfg, key, 0)
+            _int(cfg, key, 0, MAX_SEED, SEED_WHY)
     for key in ("data.standardize", "data.standardize_target", "eval_test"):
         if not isinstance(OmegaConf.select(cfg, key, default=False), bool):
             raise bad_value(key, OmegaConf.select(cfg, key), "must be true or false")

@@ -38,6 +38,10 @@ class FederationConfig:
         server: server optimizer parameters.
         fault_policy: a client whose loss or update is not finite is ``drop``-ped from the round (counted, warned)
             or ``stop``-s the run (:class:`ClientFault`).
+        diverge_factor: the finite-divergence rule (:class:`flx.faults.DivergenceWatch`): the run stops when the
+            round's training loss exceeds this factor times the initial model's loss for ``diverge_rounds``
+            consecutive rounds; None switches the rule off.
+        diverge_rounds: the consecutive rounds of that rule.
         single_row_batch: ``drop`` a local minibatch of one row (the last of a pass; a client with one row is then
             skipped), ``keep`` it, or ``auto``: drop when the net has BatchNorm layers, which cannot train on one row.
         aggregator: how the round's uploads are combined (:data:`flx.aggregation.AGGREGATORS`): ``mean`` (weighted
@@ -61,6 +65,8 @@ class FederationConfig:
     seed: int = 0
     server: ServerOptConfig = field(default_factory=ServerOptConfig)
     fault_policy: str = "drop"
+    diverge_factor: float | None = 100.0
+    diverge_rounds: int = 2
     single_row_batch: str = "auto"
     aggregator: str = "mean"
     vectorize: bool = False

@@ -1,19 +1,25 @@
-"""Faulty clients and divergence: what a round does with non-finite losses, updates and models.
+"""Faulty clients and divergence: what a round does with non-finite losses, updates and models, and with a finite
+blow-up.
 
 Policy (``fault.policy``, docs/round_protocol.md "Faulty clients and tiny data"): a client whose mean local loss or
 local model is not finite is left out of the round's aggregate (``drop``, the default: one warning line per round,
 ``fl/dropped_clients``) or stops the run (``stop``: :class:`ClientFault`). A round in which every client was dropped,
-and a global model that is not finite after the server step, stop the run as :class:`Diverged`. ``train.py``
-reports a :class:`RunFailure` as one line and exit status 3: a faulty run never ends "successfully".
+a global model that is not finite after the server step, and a finite blow-up of the training loss
+(:class:`DivergenceWatch`: ``fault.diverge_factor``, ``fault.diverge_rounds``) stop the run as :class:`Diverged`.
+``train.py`` reports a :class:`RunFailure` as one line and exit status 3: a faulty run never ends "successfully".
+
+Each divergence message names the knob that drives it (:func:`knob`): ``algo.server.lr`` when the server step
+moved the global model farther than the clients' mean update did (a server optimizer with its own step, e.g.
+FedAdam), else ``algo.lr``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -65,7 +71,22 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return math.isfinite(torch.stack(sums).sum().item())
 
 
-def judge(faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: FederationConfig, warn: bool) -> RoundFaults:
+def knob(cfg: FederationConfig, amplification: float) -> str:
+    """The setting to lower when the run diverges, with its value: ``algo.server.lr`` if the last server step moved
+    the global model farther than the clients' mean update (``amplification`` > 1, or not a number: see
+    :attr:`flx.server.ServerOptimizer.amplification`; plain averaging is exactly 1), else ``algo.lr``.
+
+    A mean of finite client models is a blend of what the clients did; only a server step with its own step size
+    (FedAdam, server momentum or ``lr`` > 1) can move the model beyond it, and only then is the server's the knob.
+    """
+    if not amplification <= 1.0:
+        return f"algo.server.lr (now {cfg.server.lr:g})"
+    return f"algo.lr (now {cfg.lr:g})"
+
+
+def judge(
+    faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: FederationConfig, warn: bool, lower: str = ""
+) -> RoundFaults:
     """Applies the fault policy to round ``r`` (1-based) after its reduce; identical on every rank.
 
     Args:
@@ -75,6 +96,7 @@ def judge(faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: Federa
         r: the round, counted from 1.
         cfg: the round protocol (``fault_policy``, ``lr`` for the hint).
         warn: print the warning line (one rank only).
+        lower: the knob to lower, with its value (:func:`knob`); default ``algo.lr``.
 
     Raises:
         ClientFault: a client was dropped and ``fault_policy="stop"``.
@@ -82,16 +104,16 @@ def judge(faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: Federa
     """
     if not faults.dropped:
         return faults
+    lower = lower or knob(cfg, 1.0)
     if cfg.fault_policy == "stop":
         raise ClientFault(
             f"round {r}: client {faults.dropped[0]} has a non-finite loss or update (fault.policy=stop); "
-            f"lower algo.lr (now {cfg.lr:g}) or use fault.policy=drop"
+            f"lower {lower} or use fault.policy=drop"
         )
     if aggregated == 0:
         raise Diverged(
             f"diverged in round {r}: every client's loss or update is not finite "
-            f"({len(faults.dropped)} of {len(faults.dropped) + len(faults.skipped)} dropped); "
-            f"lower algo.lr (now {cfg.lr:g})"
+            f"({len(faults.dropped)} of {len(faults.dropped) + len(faults.skipped)} dropped); lower {lower}"
         )
     if warn:
         ids = ", ".join(str(c) for c in faults.dropped)
@@ -104,10 +126,63 @@ def judge(faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: Federa
     return faults
 
 
-def check_global_model(tensors: Sequence[Tensor], r: int, cfg: FederationConfig) -> None:
-    """Raises :class:`Diverged` if the global model after round ``r``'s server step is not finite."""
+def check_global_model(tensors: Sequence[Tensor], r: int, lower: Callable[[], str]) -> None:
+    """Raises :class:`Diverged` if the global model after round ``r``'s server step is not finite (``lower()``: the
+    knob to name, :func:`knob`; asked only then)."""
     if not all_finite(tensors):
-        raise Diverged(
-            f"diverged in round {r}: the global model is not finite after the server step; "
-            f"lower algo.lr (now {cfg.lr:g}) or algo.server.lr (now {cfg.server.lr:g})"
-        )
+        raise Diverged(f"diverged in round {r}: the global model is not finite after the server step; lower {lower()}")
+
+
+class DivergenceWatch:
+    """The finite-divergence rule: stops a run whose training loss has blown up although it is still finite.
+
+    With ``c`` = ``factor`` (``fault.diverge_factor``), ``r`` = ``rounds`` (``fault.diverge_rounds``), ``L_t`` the
+    round's mean local training loss (``train/loss``, the same on every rank) and ``L_0`` the initial model's loss
+    (the task loss of the global model before round 1 on the first cohort's rows, summed over the ranks in the
+    round's all-reduce: :meth:`flx.federation.Federation.begin_round`, :meth:`set_reference`):
+
+    .. math::
+        \\text{stop at round } t \\iff L_s > c\\, L_0 \\quad\\text{for } s = t-r+1, \\dots, t
+
+    Relative to ``L_0``, so the one default fits every task's loss scale (cross-entropy, MSE of raw targets, X-risk
+    surrogates). A blow-up inside the first round (``L_1`` already huge: ``algo.lr=3`` on digits gives ``L_1`` ~ 4e7
+    against ``L_0`` ~ 2.3) is caught, which a reference taken after round 1 would miss. Rounds with no aggregated
+    client leave the count as it is; ``L_0 <= 0`` (a loss that starts at its floor) switches the rule off.
+    ``factor`` None: off. The state (``L_0``, the count) is checkpointed, so a resumed run decides alike.
+    """
+
+    def __init__(self, factor: float | None = 100.0, rounds: int = 2) -> None:
+        self.factor, self.rounds = factor, rounds
+        self.reference: float | None = None
+        self.streak = 0
+
+    def needs_reference(self) -> bool:
+        """Whether the rule is on and ``L_0`` is still to be measured (before the first round)."""
+        return self.factor is not None and self.reference is None
+
+    def set_reference(self, loss: float) -> None:
+        """Sets ``L_0``; one that is not a finite number > 0 switches the rule off for the run."""
+        self.reference = loss if math.isfinite(loss) and loss > 0 else 0.0
+
+    def observe(self, r: int, loss: float | None, lower: Callable[[], str]) -> None:
+        """Counts round ``r``'s training loss ``loss`` (None: no client aggregated) against the rule.
+
+        Raises:
+            Diverged: the loss was above ``factor * L_0`` in ``rounds`` consecutive rounds; the message names the
+                round, the loss, the rule and ``lower`` (the knob, :func:`knob`).
+        """
+        if self.factor is None or not self.reference or loss is None:
+            return
+        self.streak = self.streak + 1 if loss > self.factor * self.reference else 0
+        if self.streak >= self.rounds:
+            raise Diverged(
+                f"diverged in round {r}: train/loss {loss:.4g} above {self.factor:g} x the initial loss "
+                f"{self.reference:.4g} for {self.rounds} round(s) in a row (fault.diverge_factor, "
+                f"fault.diverge_rounds; null switches the rule off); lower {lower()}"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference, "streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reference, self.streak = state.get("reference"), int(state.get("streak", 0))

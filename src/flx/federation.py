@@ -30,7 +30,7 @@ from flx import autodiff, evaluation, vectorized
 from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
 from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
 from flx.datamodules.ragged import Ragged
-from flx.faults import RoundFaults, all_finite, check_global_model, judge
+from flx.faults import DivergenceWatch, RoundFaults, all_finite, check_global_model, judge, knob
 from flx.hooks import HOOKS, FederatedCallback, overrides
 from flx.local_sgd import clear_grads, is_plain_sgd, sgd_step
 from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, local_batches, shard_greedy, uniform_cohort
@@ -52,8 +52,9 @@ __all__ = [
 ]
 # the federation's own scalars in the round's all-reduce, before the parts' registered statistics; "stored" counts the
 # clients whose state went to the store, so every rank knows whether the round needs the state all-gather; "aggregated"
-# and "loss_count" are adjacent, so an aggregated client adds 1 to both in one op
-COUNTERS = ("dropped", "skipped", "aggregated", "loss_count", "loss_sum", "stored")
+# and "loss_count" are adjacent, so an aggregated client adds 1 to both in one op; "initial_*": the divergence rule's
+# initial loss, each rank's share of the rows (Federation._measure_reference), summed in the first round's reduce
+COUNTERS = ("dropped", "skipped", "aggregated", "loss_count", "loss_sum", "stored", "initial_loss_sum", "initial_rows")
 
 # the hooks that run inside each local step (the sequential path skips their bookkeeping when no part has any)
 _STEP_HOOKS = ("sample_batch", "local_loss", "on_local_grad", "on_local_step_end")
@@ -88,6 +89,7 @@ class Federation:
         self.parts: list[FederatedCallback] = []
         self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}
         self.rnd: RoundContext | None = None
+        self.divergence = DivergenceWatch(cfg.diverge_factor, cfg.diverge_rounds)
 
     # ------------------------------------------------------------------ setup
     def attach(
@@ -248,12 +250,46 @@ class Federation:
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
         # the weighted mean adds weights pre-divided by the round's expected total: one client's mean is its model
         self.aggregator.reset(sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity)))
+        if self.divergence.needs_reference():  # the global model is the initial one: nothing has trained yet
+            self._measure_reference(cohort)
         self._state_updates: dict[int, dict[str, Tensor]] = {}
         self._left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
         for part in self._hooked["on_round_start"]:
             part.on_round_start(self, self.rnd)
         self._widths_open = False
         return self.rnd
+
+    def _measure_reference(self, cohort: Sequence[int], limit: int = 4096) -> None:
+        """This rank's share of the divergence rule's ``L_0`` (:class:`flx.faults.DivergenceWatch`): the task loss of
+        the global model on rows ``rank, rank + world_size, ...`` of the first ``limit`` rows of ``cohort``'s clients
+        (in cohort order), added to the round's counters. The round's one all-reduce sums the shares, so every rank
+        gets the same ``L_0`` (:meth:`end_round`) without a collective of its own."""
+        rows, count = [], 0
+        for cid in cohort:
+            if count >= limit:
+                break
+            rows.append(self.data.client_indices[cid])
+            count += len(rows[-1])
+        mine = torch.cat(rows)[:limit][self.rank :: self.world_size] if rows else None
+        if mine is not None and len(mine):
+            self.counters[COUNTERS.index("initial_loss_sum")] += self.eval_loss(mine) * len(mine)
+            self.counters[COUNTERS.index("initial_rows")] += len(mine)
+
+    def _judge_divergence(self) -> None:
+        """Sets ``L_0`` after the first round's reduce (a cohort without rows leaves it to the next round), then
+        counts the round's training loss against the divergence rule."""
+        if self.divergence.factor is None:
+            return
+        if self.divergence.needs_reference():
+            rows = float(self.counters[COUNTERS.index("initial_rows")])
+            if rows > 0:
+                self.divergence.set_reference(float(self.counters[COUNTERS.index("initial_loss_sum")]) / rows)
+        self.divergence.observe(self.rnd.round + 1, self.train_loss, self.knob)
+
+    def knob(self) -> str:
+        """The setting a divergence message names, with its value (:func:`flx.faults.knob`): ``algo.server.lr``
+        when the last server step moved the global model farther than the clients' mean update, else ``algo.lr``."""
+        return knob(self.cfg, self.server_opt.amplification)
 
     def set_width(self, cid: int, ratio: float) -> None:
         """Records that client ``cid`` trains at width ratio ``ratio`` this round (default 1.0, the full model).
@@ -290,11 +326,14 @@ class Federation:
 
         Raises:
             ClientFault: a client was not finite and ``fault_policy="stop"``.
-            Diverged: every client of the round was dropped, or the new global model is not finite.
+            Diverged: every client of the round was dropped, the training loss has blown up (the divergence rule,
+                judged before the server step: the clients trained from the model of the previous one), or the new
+                global model is not finite.
         """
         self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
         self._share_client_states()
         self.faults = self._round_faults()
+        self._judge_divergence()
         if self.counters[COUNTERS.index("aggregated")] > 0:
             self._server_step()
         else:  # no client of the round had usable rows: the global model stays as it was
@@ -322,7 +361,7 @@ class Federation:
             _copy(self.params, self.global_params)
             _copy(self.float_buffers, [m.to(b.dtype) for b, m in zip(self.float_buffers, mean[n:])])
             _copy(self.other_buffers, self.global_other)
-        check_global_model(self.local_state, self.rnd.round + 1, self.cfg)
+        check_global_model(self.local_state, self.rnd.round + 1, self.knob)
 
     def _round_faults(self) -> RoundFaults:
         """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
@@ -333,7 +372,8 @@ class Federation:
             everyone = self.gather(mine)
             mine = {k: [c for part in everyone for c in part[k]] for k in mine}
         faults = RoundFaults(tuple(sorted(mine["dropped"])), tuple(sorted(mine["skipped"])))
-        return judge(faults, aggregated, len(self.rnd.cohort), self.rnd.round + 1, self.cfg, warn=self.rank == 0)
+        r, lower = self.rnd.round + 1, self.knob() if dropped else ""
+        return judge(faults, aggregated, len(self.rnd.cohort), r, self.cfg, warn=self.rank == 0, lower=lower)
 
     def _share_client_states(self) -> None:
         """Under N processes, every rank's store receives the client states updated on the other ranks.
@@ -603,6 +643,7 @@ class Federation:
             "server_opt": self.server_opt.state_dict(),
             "store": self.store.state_dict(round=self.server.round),
             **({"sim_clock": self.clock.state_dict()} if self.clock is not None else {}),
+            "divergence": self.divergence.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -611,5 +652,7 @@ class Federation:
         self.store.load_state_dict(state["store"])
         if self.clock is not None and "sim_clock" in state:
             self.clock.load_state_dict(state["sim_clock"])
+        if "divergence" in state:  # a checkpoint of an older flx: the initial loss is measured at the next round
+            self.divergence.load_state_dict(state["divergence"])
         if hasattr(self, "server_opt"):
             self.server_opt.load_state_dict(self.server.optimizer)

@@ -65,8 +65,8 @@ for _name in ("lightning.pytorch", "lightning.fabric"):
 
 def federation_config(cfg: DictConfig, num_train_clients: int | None = None) -> FederationConfig:
     """``FederationConfig`` from ``algo.*`` (every field of that name; missing keys keep the field's default), with
-    ``seed`` and ``fault.policy`` from the top level. Numbers are cast to the fields' types (``lr: 1`` is 1.0);
-    ``algo.clients_per_round=all`` becomes ``num_train_clients``."""
+    ``seed`` and ``fault.*`` (policy, divergence rule) from the top level. Numbers are cast to the fields' types
+    (``lr: 1`` is 1.0); ``algo.clients_per_round=all`` becomes ``num_train_clients``."""
     algo = OmegaConf.to_container(cfg.algo, resolve=True)
     if algo.get("clients_per_round") == "all":
         if num_train_clients is None:
@@ -77,7 +77,10 @@ def federation_config(cfg: DictConfig, num_train_clients: int | None = None) -> 
         if f.name in values and f.type in ("float", "float | None") and values[f.name] is not None:
             values[f.name] = float(values[f.name])
     values["server"] = ServerOptConfig(**values.get("server", {}))
-    return FederationConfig(**values, seed=cfg.seed, fault_policy=cfg.fault.policy)
+    fault = {f"diverge_{k}": cfg.fault.get(f"diverge_{k}", d) for k, d in (("factor", 100.0), ("rounds", 2))}
+    if fault["diverge_factor"] is not None:
+        fault["diverge_factor"] = float(fault["diverge_factor"])
+    return FederationConfig(**values, seed=cfg.seed, fault_policy=cfg.fault.policy, **fault)
 
 
 def _instantiate_group(group: DictConfig | None) -> list[Any]:

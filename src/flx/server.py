@@ -19,6 +19,7 @@ With ``sgd``, ``lr=1``, ``momentum=0`` the step is plain FedAvg, done as an exac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,21 @@ class ServerOptimizer:
         self.params, self.cfg = params, cfg
         self.exact_mean = cfg.name == "sgd" and cfg.lr == 1.0 and cfg.momentum == 0.0 and cfg.weight_decay == 0.0
         self.state: dict[str, Any] = {"step": 0}
+        # the last step's (||w_{t+1} - w_t||, ||Delta_t||): read as a float only when a divergence is reported
+        self._moves: tuple[Tensor, Tensor] | float = 1.0
+
+    @property
+    def amplification(self) -> float:
+        """How far the last step moved the global model, relative to the clients' mean update:
+        ``||w_{t+1} - w_t|| / ||Delta_t||`` (1 for plain averaging and before the first step; ``inf`` when the
+        clients did not move and the server did). Above 1, the server step, not the clients, drove the model
+        (:func:`flx.faults.knob`)."""
+        if isinstance(self._moves, float):
+            return self._moves
+        server, clients = (float(m) for m in self._moves)
+        if clients == 0.0:
+            return 1.0 if server == 0.0 else math.inf
+        return server / clients
 
     def _moment(self, name: str) -> list[Tensor]:
         if name not in self.state:
@@ -68,36 +84,54 @@ class ServerOptimizer:
             torch._foreach_copy_(self.params, [m.to(p.dtype) for p, m in zip(self.params, mean)])
             return
         delta = torch._foreach_sub([m.to(p.dtype) for p, m in zip(self.params, mean)], self.params)
+        clients = _norm(delta)
         if self.cfg.weight_decay:
             torch._foreach_add_(delta, self.params, alpha=-self.cfg.weight_decay)
-        if self.cfg.name == "sgd":
-            self._sgd(delta)
-        else:
-            self._adam(delta)
+        server = self._sgd(delta) if self.cfg.name == "sgd" else self._adam(delta)
+        self._moves = (server, clients)
 
-    def _sgd(self, delta: list[Tensor]) -> None:
+    def _sgd(self, delta: list[Tensor]) -> Tensor:
+        """The SGD(M) step; returns its length ``eta_s ||v_t||``."""
         if self.cfg.momentum:
             v = self._moment("v")
             torch._foreach_mul_(v, self.cfg.momentum)
             torch._foreach_add_(v, delta)
             delta = v
         torch._foreach_add_(self.params, delta, alpha=self.cfg.lr)
+        return self.cfg.lr * _norm(delta)
 
-    def _adam(self, delta: list[Tensor]) -> None:
+    def _adam(self, delta: list[Tensor]) -> Tensor:
+        """The FedAdam step; returns its length ``eta_s ||m_t / (sqrt(v_t) + tau)||``."""
         (b1, b2), m, v = self.cfg.betas, self._moment("m"), self._moment("v")
         torch._foreach_lerp_(m, delta, 1.0 - b1)  # m = b1 m + (1 - b1) delta
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, delta, delta, value=1.0 - b2)
         denom = torch._foreach_add(torch._foreach_sqrt(v), self.cfg.eps)
         torch._foreach_addcdiv_(self.params, m, denom, value=self.cfg.lr)
+        torch._foreach_reciprocal_(denom)  # the step's direction, in place of denom (no new buffers): m / denom
+        torch._foreach_mul_(denom, m)
+        return self.cfg.lr * _norm(denom)
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: ([t.clone() for t in v] if isinstance(v, list) else v) for k, v in self.state.items()}
+        state = {k: ([t.clone() for t in v] if isinstance(v, list) else v) for k, v in self.state.items()}
+        return state | {"amplification": self.amplification}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
+        self._moves = float(state.get("amplification", 1.0))
         self.state = {"step": int(state.get("step", 0))}
         for k, v in state.items():
             if isinstance(v, list):
                 self.state[k] = [t.to(p.device, p.dtype) for t, p in zip(v, self.params)]
+
+
+def _norm(tensors: list[Tensor]) -> Tensor:
+    """The Euclidean norm of a list of tensors, as one 0-dim tensor (no host sync)."""
+    if not tensors:
+        return torch.zeros(())
+    norms = torch._foreach_norm(tensors)
+    dtype = norms[0].dtype
+    for n in norms[1:]:
+        dtype = torch.promote_types(dtype, n.dtype)
+    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))

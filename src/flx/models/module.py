@@ -256,7 +256,7 @@ class FederatedModule(pl.LightningModule):
         if not torch.isfinite(self.metrics[split].loss.compute()):
             raise Diverged(
                 f"diverged in round {self.federation.server.round}: the global model's {split} loss is not finite; "
-                f"lower algo.lr (now {self.federation.cfg.lr:g})"
+                f"lower {self.federation.knob()}"
             )
 
     def _log_split(self, split: str, per_client_rows: bool) -> None:
