@@ -21,6 +21,9 @@ def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.
     """``python train.py <args>`` with the default config otherwise, writing to ``out``."""
     cmd = [sys.executable, "train.py", *QUIET, *args, f"hydra.run.dir={out}"]
     full_env = {**os.environ, **ENV, **(env or {})}
+    # a test process that used W&B itself holds a W&B service (its address in WANDB_SERVICE): a run of train.py is a
+    # program of its own, as a user starts it, not a client of the test's service (whose streams outlive a killed run)
+    full_env.pop("WANDB_SERVICE", None)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=full_env)
 
 

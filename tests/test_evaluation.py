@@ -146,7 +146,7 @@ def test_evaluation_work_runs_on_validated_rounds_only(tmp_path: Path, monkeypat
     """eval_every=3 over 7 rounds: Lightning validates after rounds 3 and 6, and every piece of evaluation work runs
     after exactly those rounds: the validation steps, the per-client training losses (ClientLoss), the personalised
     evaluation, the global model's batched per-client passes and the per-client table; FedAvg's training evaluates
-    no loss (``eval_loss`` never runs)."""
+    no loss (``eval_loss`` runs once, on the initial model, for the divergence rule's reference)."""
     calls: dict[str, list[int]] = defaultdict(list)
 
     def spy(owner: object, name: str, key: str | None = None) -> None:
@@ -170,5 +170,5 @@ def test_evaluation_work_runs_on_validated_rounds_only(tmp_path: Path, monkeypat
     assert module.federation.server.round == 7
     for key in ("validation_step", "_log_client_table", "evaluate_clients", "client_train_losses", "global_sums"):
         assert sorted(set(calls[key])) == [3, 6], key
-    assert calls["eval_loss"] == []
+    assert calls["eval_loss"] == [0]  # once, before round 1: the divergence rule's L_0 (flx.faults.DivergenceWatch)
     assert calls["client_train_losses"] == calls["evaluate_clients"] == [3, 6]  # once per validation

@@ -223,12 +223,13 @@ def _sha256(folder: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_sigterm_during_start_up_writes_nothing(tmp_path: Path) -> None:
     """SIGTERM as soon as ``train.py`` catches it (its first statements, before torch is imported): exit 143, one
-    line, no final line, and the run folder holds exactly what it held before, byte for byte."""
+    line, no final line, and the run folder holds exactly what it held before, byte for byte. The folder holds a file
+    and the run continues it (``ckpt_path=auto``: a fresh run would stop at the run-folder guard instead)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.txt").write_text("written before the run\n")
     before = _sha256(out)
-    cmd = [sys.executable, "train.py", *QUIET, f"hydra.run.dir={out}"]
+    cmd = [sys.executable, "train.py", *QUIET, "ckpt_path=auto", f"hydra.run.dir={out}"]
     env = {**os.environ, **ENV}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
