@@ -48,10 +48,10 @@ from torch import Tensor, nn
 
 from flx.config import data_protocol, precheck
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.errors import ConfigError, bad_value, instantiate
+from flx.errors import ConfigError, bad_value
 from flx.models.build import net_from_config
 from flx.models.pretrain import AUGMENTS, SCHEDULES, PretrainParams, accuracy, fit, save_state_dict
-from flx.run import build_task
+from flx.run import build_datamodule, build_task
 from flx.tasks import Classification
 
 
@@ -116,14 +116,7 @@ def compose(overrides: list[str]) -> DictConfig:
 
 def server_data(cfg: DictConfig) -> tuple[FederatedDataModule, Tensor]:
     """The run's datamodule (set up as :func:`flx.run.build` sets it up) and its server rows ``(D_s,)``."""
-    dm = FederatedDataModule(
-        instantiate(cfg.data.loader),
-        instantiate(cfg.partition),
-        cfg.seed,
-        cfg.data.eval_batch_size,
-        protocol=data_protocol(cfg),
-    )
-    dm.setup("fit")
+    dm = build_datamodule(cfg)
     if not len(dm.server_rows):
         raise bad_value(
             "data.split_file", cfg.data.get("split_file"), "lists no 'server' rows: no server split to pretrain on"

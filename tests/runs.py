@@ -17,14 +17,25 @@ QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false"]
 ENV = {"PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
 
 
-def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python train.py <args>`` with the default config otherwise, writing to ``out``."""
+def _command(out: Path, args: tuple[str, ...], env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "train.py", *QUIET, *args, f"hydra.run.dir={out}"]
     full_env = {**os.environ, **ENV, **(env or {})}
     # a test process that used W&B itself holds a W&B service (its address in WANDB_SERVICE): a run of train.py is a
     # program of its own, as a user starts it, not a client of the test's service (whose streams outlive a killed run)
     full_env.pop("WANDB_SERVICE", None)
+    return cmd, full_env
+
+
+def run(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` with the default config otherwise, writing to ``out``."""
+    cmd, full_env = _command(out, args, env)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=full_env)
+
+
+def start(out: Path, *args: str, stderr: int | None = subprocess.DEVNULL) -> subprocess.Popen:
+    """:func:`run` started in the background (its stdout discarded; its stderr as ``stderr`` says, text)."""
+    cmd, full_env = _command(out, args, None)
+    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
 def ckpt(path: Path) -> dict:

@@ -11,10 +11,8 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from flx.config import CONFIG_DIR, data_protocol, group_options, precheck
-from flx.datamodules.datamodule import FederatedDataModule
-from flx.errors import instantiate
-from flx.run import train
+from flx.config import CONFIG_DIR, group_options, precheck
+from flx.run import build_datamodule, train
 
 ALGOS = group_options("algo")
 ROUNDS = 2
@@ -52,14 +50,7 @@ def test_algo_runs_out_of_the_box(algo: str, tmp_path: Path, capsys: pytest.Capt
 def _clients(cfg: DictConfig, out: Path) -> dict[str, object]:
     """The clients a run of ``cfg`` trains and evaluates, built as ``flx.run.build`` builds them (no training):
     the data split's row ids, each client's rows (``partition.json``: train, support, held-out) and the pool."""
-    dm = FederatedDataModule(
-        instantiate(cfg.data.loader),
-        instantiate(cfg.partition),
-        cfg.seed,
-        cfg.data.eval_batch_size,
-        protocol=data_protocol(cfg),
-    )
-    dm.setup("fit")
+    dm = build_datamodule(cfg)
     out.mkdir()
     dm.save(str(out))
     files = {name: json.loads((out / name).read_text()) for name in ("data_split.json", "partition.json")}

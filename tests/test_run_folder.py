@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import ENV, ROOT, flx_lines, run, wait_for
+from runs import ENV, ROOT, flx_lines, run, start, wait_for
 
 import flx.callbacks
 from flx.config import precheck
@@ -273,14 +273,7 @@ def test_two_runs_at_once_in_one_folder_one_stops(tmp_path: Path) -> None:
     writes nothing; the first ends normally and removes the lock file."""
     out = tmp_path / "run"
     slow = ["algo.rounds=3", "+algo.parts.sleep._target_=helpers.SleepPerRound", "+algo.parts.sleep.seconds=2"]
-    first = subprocess.Popen(
-        [sys.executable, "train.py", "callbacks.progress_bar=null", *slow, f"hydra.run.dir={out}"],
-        cwd=ROOT,
-        env={**os.environ, **ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    first = start(out, *slow, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: (out / LOCK).exists(), 60, "the first run's lock")
         second = run(out, "ckpt_path=auto")
@@ -305,13 +298,7 @@ def test_a_run_killed_before_its_first_checkpoint_continues_with_ckpt_path_auto(
 
     out = tmp_path / "run"
     sleep = ["+algo.parts.sleep._target_=helpers.SleepPerRound", "+algo.parts.sleep.seconds=5"]
-    first = subprocess.Popen(
-        [sys.executable, "train.py", "callbacks.progress_bar=null", *sleep, f"hydra.run.dir={out}"],
-        cwd=ROOT,
-        env={**os.environ, **ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    first = start(out, *sleep)
     try:
         wait_for(lambda: (out / ".hydra" / "partition.json").exists(), 120, "the first start's partition.json")
     finally:

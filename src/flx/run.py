@@ -138,12 +138,9 @@ def build_system(cfg: DictConfig, fed_cfg: FederationConfig, net: torch.nn.Modul
     )
 
 
-def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
-    validate(cfg)
-    threads = threads_until_fork(cfg.get("num_threads"))
-    if threads:
-        torch.set_num_threads(int(threads))
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+def build_datamodule(cfg: DictConfig, loaded: Any = None) -> FederatedDataModule:
+    """The run's datamodule, set up for fit: its data split, server split and clients (``data``, ``partition``,
+    ``seed``, ``client_eval``, ``eval_test``); ``loaded``: the data already loaded (:mod:`flx.datamodules.prefetch`)."""
     dm = FederatedDataModule(
         instantiate(cfg.data.loader),
         instantiate(cfg.partition),  # its seed is partition.seed; cfg.seed only if that is null
@@ -152,9 +149,19 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         client_eval=cfg.get("client_eval", "holdout"),
         protocol=data_protocol(cfg),
         eval_test=bool(cfg.get("eval_test", False)),
-        loaded=prefetch.take(cfg),  # loaded while this process imported Lightning (train.py), or None
+        loaded=loaded,
     )
     dm.setup("fit")
+    return dm
+
+
+def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
+    validate(cfg)
+    threads = threads_until_fork(cfg.get("num_threads"))
+    if threads:
+        torch.set_num_threads(int(threads))
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    dm = build_datamodule(cfg, loaded=prefetch.take(cfg))  # loaded while train.py imported Lightning, or None
     dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only
     task = build_task(cfg, dm.data)
     outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
