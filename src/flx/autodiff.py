@@ -1,8 +1,8 @@
 r"""Gradients and Hessian-vector products of a net's minibatch loss at any parameters, the net left untouched.
 
 The second-order parts need derivatives at points other than the net's current weights: pFedFBE (anonymous ICLR
-submission, digest ``shared/papers/pfedfbe.md``, Algorithm 1 lines 8 and 11) takes :math:`\nabla f_i(w; D)` and
-:math:`\nabla^2 f_i(w; \hat D)\, u`; AugFL (Yue, Qin et al., digest ``shared/papers/augfl.md``, Eq. 10) replaces the
+submission, Algorithm 1 lines 8 and 11) takes :math:`\nabla f_i(w; D)` and
+:math:`\nabla^2 f_i(w; \hat D)\, u`; AugFL (Yue, Qin et al., Eq. 10) replaces the
 MAML Hessian-vector product with a central difference of two support-set gradients. With
 :math:`f(w) = \ell(\mathrm{net}(x; w), y)` on one batch :math:`(x, y)`:
 

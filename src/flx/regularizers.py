@@ -1,7 +1,7 @@
 r"""Nonsmooth regularisers :math:`h` and their proximal operators, for federated composite optimisation.
 
-The problem is :math:`\min_w \frac1N \sum_i f_i(w) + h(w)` with :math:`h` convex, closed and cheap to prox
-(digest ``shared/papers/pfedfbe.md`` §1.1, §2.5). Every operator here is a closed form of
+The problem is :math:`\min_w \frac1N \sum_i f_i(w) + h(w)` with :math:`h` convex, closed and cheap to prox. Every
+operator here is a closed form of
 
 .. math::
     \mathrm{prox}_{\gamma h}(v) = \arg\min_u\; h(u) + \frac{1}{2\gamma}\lVert u - v \rVert^2, \qquad \gamma \ge 0,

@@ -2,7 +2,7 @@ r"""Fast adaptation at evaluation: a client's personalised model is ``steps`` gr
 its support rows.
 
 The evaluation of federated meta-learning (AugFL, Yue et al., Algorithm 1 step 4 and §VI-A; Per-FedAvg, Fallah,
-Mokhtari, Ozdaglar, NeurIPS 2020; digest ``shared/papers/augfl.md`` §2.3, §4 "Metric") and FedAvg's local fine-tuning
+Mokhtari, Ozdaglar, NeurIPS 2020) and FedAvg's local fine-tuning
 baseline: from the global (meta-)model :math:`\theta`, client :math:`i`'s model is
 
 .. math::

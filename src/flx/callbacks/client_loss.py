@@ -1,7 +1,7 @@
 r"""Per-client training loss of the global model on evaluation rounds: the objective DRFA minimises.
 
-Deng, Kamani, Mahdavi, "Distributionally Robust Federated Averaging", NeurIPS 2020 (digest ``shared/papers/drfa.md``
-§7 item 10). DRFA solves :math:`\min_w \max_{\lambda \in \Lambda} \sum_i \lambda_i f_i(w)` (Eq. 2); over the simplex
+Deng, Kamani, Mahdavi, "Distributionally Robust Federated Averaging", NeurIPS 2020. DRFA solves :math:`\min_w
+\max_{\lambda \in \Lambda} \sum_i \lambda_i f_i(w)` (Eq. 2); over the simplex
 the inner maximum is :math:`\Phi(w) = \max_i f_i(w)`, so the worst client's training loss is the objective itself:
 
 .. math::

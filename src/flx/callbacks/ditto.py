@@ -1,7 +1,7 @@
 r"""Ditto: a personal model per client, trained next to the global FedAvg model.
 
 Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through Personalization", ICML 2021, Algorithm 1
-(the pFedFBE digest's "pFedditto" baseline, ``shared/papers/pfedfbe.md`` §3.4). The global model is FedAvg's (the
+(the "pFedditto" baseline of the pFedFBE paper). The global model is FedAvg's (the
 core's local SGD steps and mean, untouched: Ditto's global model is FedAvg's bit for bit); client :math:`i` also
 keeps a personal model :math:`v_i` that minimises :math:`f_i(v) + \frac{\lambda}{2} \lVert v - w^t \rVert^2`, one
 step per local step on the same minibatch :math:`D` (as the authors' code does):

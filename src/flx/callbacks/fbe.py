@@ -1,7 +1,7 @@
 r"""pFedFBE: FedAvg on the forward-backward envelopes of the clients' composite losses.
 
 Anonymous, "Personalized Federated Composite Learning with Forward-Backward Envelopes", ICLR submission under
-double-blind review (digest ``shared/papers/pfedfbe.md``). Client :math:`i`'s loss :math:`f_i` plus a shared convex
+double-blind review. Client :math:`i`'s loss :math:`f_i` plus a shared convex
 nonsmooth :math:`h = \mu R` is replaced by its forward-backward envelope (FBE, Eqs. 4-5), smooth for
 :math:`\lambda > 0`:
 

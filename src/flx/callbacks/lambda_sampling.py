@@ -1,7 +1,6 @@
 r"""Lambda sampling: the distributionally robust server of DRFA, DRFA-Prox, DRFA-GA and AFL.
 
-Deng, Kamani, Mahdavi, "Distributionally Robust Federated Averaging", NeurIPS 2020 (digest
-``shared/papers/drfa.md``). The server solves
+Deng, Kamani, Mahdavi, "Distributionally Robust Federated Averaging", NeurIPS 2020. The server solves
 :math:`\min_w \max_{\lambda \in \Lambda} \sum_i \lambda_i f_i(w) + g(\lambda)` with :math:`\lambda` on the simplex.
 Round :math:`s` with :math:`\tau` local steps and cohort size :math:`m`:
 

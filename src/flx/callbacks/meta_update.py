@@ -1,8 +1,8 @@
 r"""AugFL's client step: a linearised, closed-form inexact-ADMM update of a MAML meta-model.
 
 S. Yue, Z. Qin, Y. Deng, J. Ren, Y. Zhang, J. Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models"
-(journal extension of MobiHoc 2021), Algorithm 1 step 3.1, Eqs. 7, 10-12 (digest ``shared/papers/augfl.md`` §2.1,
-§2.3). Client :math:`i` at round :math:`t`, from the global meta-model :math:`\theta^t`, on its support set
+(journal extension of MobiHoc 2021), Algorithm 1 step 3.1, Eqs. 7, 10-12. Client :math:`i` at round :math:`t`, from
+the global meta-model :math:`\theta^t`, on its support set
 :math:`S` and query set :math:`Q` (``partition=few_shot``: ``fed.support_rows`` / ``fed.query_rows``), full batch:
 
 .. math::

@@ -1,6 +1,6 @@
 r"""The composite training objective of the global model, :math:`F(w) = \frac1N \sum_i f_i(w) + h(w)`, per round.
 
-Federated composite optimisation (pFedFBE, digest ``shared/papers/pfedfbe.md`` §1.1; FedMiD / FedDualAvg, Yuan,
+Federated composite optimisation (pFedFBE; FedMiD / FedDualAvg, Yuan,
 Zaheer, Reddi, ICML 2021) minimises
 
 .. math::

@@ -1,7 +1,7 @@
 """Passive-buffer merging for federated X-risk optimisation (FeDXL1 / FeDXL2).
 
 Guo, Jin, Luo, Yang, "FeDXL: Provable Federated Learning for Deep X-Risk Optimization", ICML 2023,
-Algorithms 1-2 (digest ``shared/papers/fedxl.md`` §2). Each local step pairs ACTIVE scores of the client's
+Algorithms 1-2. Each local step pairs ACTIVE scores of the client's
 own positives ``a = h(w; Z_1)`` and negatives ``b = h(w; Z_2)`` with PASSIVE scores that all clients
 computed during the previous round(s), merged by the server:
 

@@ -1,7 +1,7 @@
 r"""Per-FedAvg: federated MAML, the baseline of AugFL's Table II.
 
 A. Fallah, A. Mokhtari, A. Ozdaglar, "Personalized Federated Learning with Theoretical Guarantees: A Model-Agnostic
-Meta-Learning Approach", NeurIPS 2020, Algorithm 1 (AugFL digest ``shared/papers/augfl.md`` §4 "Baselines"). Each of
+Meta-Learning Approach", NeurIPS 2020, Algorithm 1 (one of AugFL's baselines, its Section VI-A). Each of
 the :math:`K` local steps (``algo.local_steps``) of client :math:`i` is one MAML step with step :math:`\beta`
 (``algo.lr``) and inner step :math:`\alpha`:
 

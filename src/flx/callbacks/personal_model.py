@@ -1,6 +1,6 @@
 r"""The personalised model of a non-personalised algorithm, and the store of per-client personal models.
 
-The pFedFBE paper (digest ``shared/papers/pfedfbe.md`` §3.1, §5 item 8) evaluates algorithms without personalisation
+The pFedFBE paper evaluates algorithms without personalisation
 with the global model as the personalised one (``model=global``: FedAvg's personalised evaluation, so its
 ``val/personal_*`` sit next to the personalised algorithms'). Its "pFedprox" baseline (§3.2, §3.4) is not defined
 there; here (``model=local``) FedProx's personalised model is the client's local model from the last round it took

@@ -1,7 +1,7 @@
 r"""pFedMe: personalised federated learning with Moreau envelopes.
 
 T. Dinh, Tran, Nguyen, "Personalized Federated Learning with Moreau Envelopes", NeurIPS 2020, Algorithm 1 (the
-pFedFBE digest's baseline, ``shared/papers/pfedfbe.md`` §1.2 and §3.4). Client :math:`i` minimises the Moreau envelope
+pFedFBE paper's baseline). Client :math:`i` minimises the Moreau envelope
 :math:`\hat F_i(w) = \min_\theta f_i(\theta) + \frac{\lambda}{2} \lVert \theta - w \rVert^2`, whose gradient is
 :math:`\lambda (w - \theta_i(w))`. Local step :math:`r = 0..R-1` on a minibatch :math:`D`:
 

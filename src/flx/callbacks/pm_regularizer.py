@@ -1,7 +1,7 @@
 r"""AugFL's server step with a server-only pretrained model (PM): :math:`\lambda \nabla_\theta R_h(\theta^t, \theta_p)`.
 
 S. Yue, Z. Qin, Y. Deng, J. Ren, Y. Zhang, J. Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models",
-Algorithm 1 step 3.2, Eq. 13, Section V (digest ``shared/papers/augfl.md`` §2.2, §2.5, §6.2). With the clients'
+Algorithm 1 step 3.2, Eq. 13, Section V. With the clients'
 uploads summed by ``algo.aggregator=admm_sum`` (``mean`` :math:`= \sum_i u_i / \sum_i \rho_i`,
 :class:`~flx.callbacks.meta_update.MetaUpdate`):
 

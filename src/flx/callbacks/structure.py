@@ -1,6 +1,6 @@
 """Structure of the learned model against the ground truth of generated data: support recovery and rank.
 
-pFedFBE §4.1-4.2 (digest ``shared/papers/pfedfbe.md`` §3.1-3.2): for the Lasso, precision, recall, F1 and density of
+pFedFBE §4.1-4.2: for the Lasso, precision, recall, F1 and density of
 the support (entries with :math:`|w_k| < \\tau` count as zero, :math:`\\tau = 0.01`); for matrix completion, the rank
 (singular values above :math:`\\tau`) and the recovery error :math:`\\|W - W^\\star_j\\|_F`
 (:mod:`flx.metrics.sparse`). A per-client truth of shape ``(d,)`` gives the support scores, one of shape ``(d, d)``

@@ -2,7 +2,7 @@
 of held-out clients that never train.
 
 The protocol of AugFL's experiments (Yue et al., "AugFL: Augmenting Federated Learning with Pretrained Models", §VI-A,
-after Lin et al., ICDCS 2020; digest ``shared/papers/augfl.md`` §4): client ``i`` holds ``D_i ~ U(M, 2M)`` samples
+after Lin et al., ICDCS 2020): client ``i`` holds ``D_i ~ U(M, 2M)`` samples
 (discrete uniform, both ends included) of ``k`` classes drawn at random, split about evenly between its classes; each
 client's samples are split ``support_fraction`` / rest into a support and a query set; a random ``heldout_fraction``
 of the clients (80% train, 20% held out in the paper) never train and are the evaluation clients, adapted on their

@@ -1,8 +1,8 @@
 r"""Contrastive Representation Distillation (CRD), the regulariser :math:`R_h` of AugFL's experiments.
 
 Tian, Krishnan, Isola, "Contrastive Representation Distillation", ICLR 2020; used as :math:`R_h(\theta, \theta_p)`
-by Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models", Section V
-(digest ``shared/papers/augfl.md`` §2.5). On a server set of :math:`D` samples, the student (meta-model) features
+by Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models", Section V. On a
+server set of :math:`D` samples, the student (meta-model) features
 :math:`s_i = g^\theta(x_i)` and teacher (PM) features :math:`c_i = g^{\theta_p}(x_i)` are embedded on the unit
 sphere of :math:`\mathbb R^d` by two heads :math:`f^s, f^c` (``Linear`` then :math:`\ell_2` normalisation), the
 teacher's features detached (:math:`\mathrm{sg}`: the PM is frozen):

@@ -1,7 +1,7 @@
 r"""Knowledge-transfer regularisers :math:`R_h(\theta, \theta_p)` towards a server-only pretrained model (PM).
 
-AugFL (Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models"; digest
-``shared/papers/augfl.md`` §1.2, §2.2) regularises the meta-model :math:`\theta` by :math:`\lambda R_h(\theta,
+AugFL (Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models") regularises
+the meta-model :math:`\theta` by :math:`\lambda R_h(\theta,
 \theta_p)`, and the server step (Eq. 13) needs only :math:`G^t = \nabla_\theta R_h(\theta^t, \theta_p)`, computed
 on a labelled server set with the PM. The paper leaves :math:`R_h` generic; the options here (``RH_OPTIONS``):
 

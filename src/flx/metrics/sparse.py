@@ -1,6 +1,6 @@
 """Structure of a learned parameter against a ground truth: support recovery (Lasso) and rank (matrix completion).
 
-pFedFBE's §4.1-4.2 metrics (digest ``shared/papers/pfedfbe.md`` §3.1-3.2): entries with :math:`|w_k| < \\tau` count
+pFedFBE's §4.1-4.2 metrics: entries with :math:`|w_k| < \\tau` count
 as zero (:math:`\\tau = 0.01`, the paper's), and the rank counts the singular values above :math:`\\tau`.
 
 .. math::
