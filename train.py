@@ -171,11 +171,12 @@ main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train
 
 def _names_folder() -> bool:
     """Whether this process names the run's time-stamped folder (``hydra.run.dir``'s default): the first process of a
-    run, not a task of a SLURM step of several tasks (``flx.launch.run_name``: they share one name) nor a rank that
-    ``prelaunch`` started (given rank 0's folder)."""
-    from flx.launch import prelaunched, process_rank
+    run, not a task of a SLURM step of several tasks nor a rank torchrun started with a rendezvous id
+    (``flx.launch.shared_run_name``: they share one name) nor a rank that ``prelaunch`` started (given rank 0's
+    folder)."""
+    from flx.launch import prelaunched, process_rank, shared_run_name
 
-    several = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    several = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 or shared_run_name() is not None
     return not (several or prelaunched() or process_rank() != 0)
 
 

@@ -29,7 +29,15 @@ from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
-from flx.launch import fork_ranks, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
+from flx.launch import (
+    fork_ranks,
+    job_label,
+    keep_threads,
+    process_rank,
+    slurm_job_id,
+    slurm_restarts,
+    threads_until_fork,
+)
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
@@ -160,6 +168,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     threads = threads_until_fork(cfg.get("num_threads"))
     if threads:
         torch.set_num_threads(int(threads))
+    keep_threads(cfg.get("num_threads"))  # what every rank runs on from the fit on: Lightning's DDP launcher keeps it
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = build_datamodule(cfg, loaded=prefetch.take(cfg))  # loaded while train.py imported Lightning, or None
     dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only
