@@ -20,6 +20,9 @@ and one partition written (by global rank zero), no lock left behind, the final 
 on stderr. ``num_threads=1`` is given: the thread count changes the order of the sums inside a matmul (2 threads a
 process gave global models 1 ulp apart), and on one machine two "nodes" share its cores, which a default that
 counts the ranks per node would not see.
+
+Started by hand on each node without one ``hydra.run.dir``, the nodes would name their run folders after their own
+clocks: that stops with one line before anything is written.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from pathlib import Path
 import pytest
 from runs import ENV, QUIET, ROOT, assert_same_model, ckpt, flx_lines, wait_for
 
-pytestmark = pytest.mark.slow
 RUN = [
     *QUIET,
     "trainer.accelerator=cpu",
@@ -120,6 +122,23 @@ def _rows(folder: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.parametrize("node", ["0", "1"])
+def test_several_nodes_without_one_run_folder_give_one_line(tmp_path: Path, node: str) -> None:
+    """``trainer.num_nodes=2`` started by hand on each node (``NODE_RANK``) without ``hydra.run.dir``: each node would
+    name the run folder after its own clock, so the config check stops with one line, on every node's console, exit
+    status 2, before anything is written (srun and torchrun with a rendezvous id name one folder themselves: above)."""
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "train.py", *RUN, "trainer.devices=1", "trainer.num_nodes=2", f"paths.log_dir={logs}"]
+    env = _env({"NODE_RANK": node, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "flx: error: trainer.num_nodes=2: every node must write into one run folder: give all nodes the same "
+        "hydra.run.dir=<a folder they share> (srun, and torchrun with --rdzv-id=<job id>, name one themselves)"
+    ]
+    assert not logs.exists()
+
+
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subprocess.CompletedProcess]]:
     """The run on 1 node x 2 processes (``trainer.devices=2``; rank 1 forked from rank 0, ``ddp_start=auto``)."""
@@ -130,6 +149,7 @@ def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, s
     yield out, proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["torchrun", "slurm", "lightning"])
 def test_two_nodes_equal_one_node_with_two_processes(one_node, tmp_path: Path, flavour: str) -> None:
     reference, ref_proc = one_node

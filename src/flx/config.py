@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value
-from flx.launch import run_name
+from flx.launch import run_name, shared_run_name
 from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 from flx.systems.params import check_system
@@ -109,6 +109,7 @@ def _compose(
         cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
     if not check:
         return cfg, None
+    _check_nodes(cfg)
     task = copy.deepcopy(cfg)  # the run's config: without Hydra's node (as hydra.core.utils.run_job passes it)
     with open_dict(task):
         del task["hydra"]
@@ -127,6 +128,23 @@ def _validate(user: Sequence[str], overrides: Sequence[str], cfg: DictConfig, co
     _check_files(cfg)
     _check_wandb(cfg)
     _check_run_dir(overrides, cfg)
+
+
+def _check_nodes(cfg: DictConfig) -> None:
+    """``trainer.num_nodes > 1``: every node writes into one run folder, so its name must not come from each node's
+    clock (``hydra.run.dir``'s default), unless the launcher gives every process one name (``srun``, torchrun with a
+    rendezvous id: :func:`flx.launch.shared_run_name`). A node in a folder of its own would not find the run's
+    checkpoints, and ``ckpt_path=auto`` would resume rank zero alone."""
+    nodes = cfg.trainer.get("num_nodes") or 1
+    folder = OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir")
+    if not isinstance(nodes, int) or nodes < 2 or "${now:" not in str(folder) or shared_run_name() is not None:
+        return
+    raise bad_value(
+        "trainer.num_nodes",
+        nodes,
+        "every node must write into one run folder: give all nodes the same hydra.run.dir=<a folder they share> "
+        "(srun, and torchrun with --rdzv-id=<job id>, name one themselves)",
+    )
 
 
 def _check_launcher(overrides: Sequence[str]) -> None:

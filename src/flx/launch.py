@@ -39,6 +39,17 @@ def process_rank() -> int:
     return node * int(os.environ.get("LOCAL_WORLD_SIZE") or 1) + local
 
 
+def first_on_console() -> bool:
+    """Whether this process prints the lines every rank would print alike (a bad value, a stop on a signal): the first
+    process of each console. In a SLURM job step that is global rank zero (``srun`` gathers every task's output into
+    the job's one file); elsewhere the first process of each node (``LOCAL_RANK`` 0: torchrun, and Lightning, show a
+    node's processes on the console of the command started on that node), so every node's console says why it
+    stopped."""
+    if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        return process_rank() == 0
+    return int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+
+
 def run_name(timestamp: str) -> str:
     """The name of a single run's folder (``hydra.run.dir``, resolver ``flx_run_name``): :func:`shared_run_name` where
     the launch gives every process one, else ``timestamp``."""
