@@ -354,7 +354,9 @@ def keep_threads(num_threads: int | None) -> None:
     (``lightning.fabric.utilities.distributed._set_num_threads_if_needed``). It replaced ``num_threads`` on every DDP
     run, silently, and made the run's floating-point sums depend on how the ranks were laid out over machines: on one
     2-core machine 1 node x 2 processes ran 1 thread a process and 2 "nodes" x 1 process 2, and the two ended with
-    global models 1 ulp apart (``tests/test_multinode.py``). ``null`` leaves the choice to Lightning, as before."""
+    global models 1 ulp apart (``tests/test_multinode.py``). ``null`` leaves the choice to Lightning, as before.
+    Called for DDP runs only (``flx.run.build_trainer``): a single process has no launcher, and the variable would
+    outlive a run called in-process (a sweep job restores it, :func:`as_single_run`)."""
     if num_threads:
         os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
 

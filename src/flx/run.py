@@ -114,6 +114,7 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
+        keep_threads(cfg.get("num_threads"))  # else Lightning's DDP launcher replaces num_threads at the fit
     if slurm_job_id() is not None:  # flx requeues itself at a round boundary (RoundCheckpoint), not mid-round
         try:
             kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))
@@ -168,7 +169,6 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     threads = threads_until_fork(cfg.get("num_threads"))
     if threads:
         torch.set_num_threads(int(threads))
-    keep_threads(cfg.get("num_threads"))  # what every rank runs on from the fit on: Lightning's DDP launcher keeps it
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = build_datamodule(cfg, loaded=prefetch.take(cfg))  # loaded while train.py imported Lightning, or None
     dm.server_resources = build_server_resources(cfg, dm)  # server split and frozen models, for the server only
