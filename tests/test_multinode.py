@@ -91,26 +91,28 @@ def _node_commands(flavour: str, tmp: Path) -> tuple[list[tuple[list[str], dict[
     return nodes, runs / name
 
 
-def _run_nodes(nodes: list[tuple[list[str], dict[str, str]]], after: Path | None) -> list[subprocess.CompletedProcess]:
-    """Runs the nodes' commands, node 1 once node 0 has written ``after`` (None: at once); a node left waiting for the
-    other (in its rendezvous) is stopped after 5 minutes with its whole process group (the launcher and its worker)."""
+def _run_nodes(
+    nodes: list[tuple[list[str], dict[str, str]]], after: Path | None, logs: Path
+) -> list[subprocess.CompletedProcess]:
+    """Runs the nodes' commands, node 1 once node 0 has written ``after`` (None: at once), their output in files under
+    ``logs``. A node that fails ends the other (which would wait for it in a collective), as does a limit of 5
+    minutes: each with its whole process group (torchrun's agent and its worker)."""
     procs: list[subprocess.Popen] = []
     try:
-        for cmd, env in nodes:
+        for k, (cmd, env) in enumerate(nodes):
             if procs and after is not None:
                 wait_for(lambda: after.exists() or procs[0].poll() is not None, 120, str(after))
-            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, start_new_session=True, **pipes))
-        done = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        return done
+            out, err = (open(logs / f"node{k}.{name}", "w") for name in ("out", "err"))
+            with out, err:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True))
+        wait_for(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs), 300, "the nodes")
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    read = [((logs / f"node{k}.out").read_text(), (logs / f"node{k}.err").read_text()) for k in range(len(procs))]
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e) for p, (o, e) in zip(procs, read)]
 
 
 def _files(folder: Path) -> list[str]:
@@ -152,18 +154,22 @@ def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, s
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["torchrun", "slurm", "lightning"])
 def test_two_nodes_equal_one_node_with_two_processes(one_node, tmp_path: Path, flavour: str) -> None:
+    """2 nodes x 1 process of ``flavour`` == 1 node x 2 processes: the model, the metrics, the files, the final line."""
     reference, ref_proc = one_node
     nodes, folder = _node_commands(flavour, tmp_path)
     # node 1 starts once node 0 has written the run's config (torchrun's agents start their workers together): a
     # process of node 1 that took itself for rank zero would then write config.1.yaml beside it
-    node0, node1 = _run_nodes(nodes, None if flavour == "torchrun" else folder / ".hydra" / "config.yaml")
-    assert (node0.returncode, node1.returncode) == (0, 0), node0.stderr[-3000:] + node1.stderr[-3000:]
+    after = None if flavour == "torchrun" else folder / ".hydra" / "config.yaml"
+    done = _run_nodes(nodes, after, tmp_path)
+    assert [p.returncode for p in done] == [0, 0], "\n".join(p.stderr[-3000:] for p in done)
+    node0, node1 = done
     assert_same_model(ckpt(reference / "checkpoints" / "last.ckpt"), ckpt(folder / "checkpoints" / "last.ckpt"))
-    assert _rows(folder) == _rows(reference) and len(_rows(folder)) == 2 + 2 + 1  # 2 val, 2 train, 1 test row
+    rows = _rows(folder)
+    assert rows == _rows(reference) and len(rows) == 2 * 2 + 1  # per round a validation and a training row; a test row
     # global rank zero wrote every file, once (no config.1.yaml of a node that took itself for rank zero), and the
-    # run lock is gone; the other node wrote nothing
+    # run lock is gone; the other node wrote nothing, not even a folder of its own
     assert _files(folder) == _files(reference)
-    assert ".hydra/config.yaml" in _files(folder) and ".hydra/partition.json" in _files(folder)
+    assert {".hydra/config.yaml", ".hydra/partition.json"} <= set(_files(folder)) and ".flx.lock" not in _files(folder)
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
     final = [line for line in ref_proc.stdout.splitlines() if line.startswith("final test_acc=")]
     assert len(final) == 1
