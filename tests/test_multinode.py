@@ -22,7 +22,8 @@ process gave global models 1 ulp apart), and on one machine two "nodes" share it
 counts the ranks per node would not see.
 
 Started by hand on each node without one ``hydra.run.dir``, the nodes would name their run folders after their own
-clocks: that stops with one line before anything is written.
+clocks, and a SLURM task whose ``trainer.devices`` / ``trainer.num_nodes`` are not the job's layout would fail at the
+fit: each stops with one line before anything is written.
 """
 
 from __future__ import annotations
@@ -139,6 +140,33 @@ def test_several_nodes_without_one_run_folder_give_one_line(tmp_path: Path, node
         "hydra.run.dir=<a folder they share> (srun, and torchrun with --rdzv-id=<job id>, name one themselves)"
     ]
     assert not logs.exists()
+
+
+@pytest.mark.parametrize(
+    ("layout", "line"),
+    [
+        (
+            ("trainer.devices=2", "trainer.num_nodes=2"),
+            "trainer.devices=2: must be the SLURM job's tasks per node (--ntasks-per-node=1): one process per task",
+        ),
+        (
+            ("trainer.devices=1", "trainer.num_nodes=1"),
+            "trainer.num_nodes=1: must be the SLURM job's nodes (--nodes=2): one process per task",
+        ),
+    ],
+)
+def test_a_layout_other_than_the_slurm_jobs_gives_one_line(tmp_path: Path, layout: tuple[str, ...], line: str) -> None:
+    """A task of a 2-node, 1-task-per-node SLURM step whose ``trainer.devices`` / ``trainer.num_nodes`` say otherwise
+    (Lightning found it only at the fit: a traceback, after the run had written its config): one line, exit status 2,
+    nothing written."""
+    out = tmp_path / "run"
+    slurm = {"SLURM_JOB_ID": JOB, "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2"}
+    slurm |= {"SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_NODEID": "0"}
+    cmd = [sys.executable, "train.py", *RUN, *layout, f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(slurm), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert [text for text in proc.stderr.splitlines() if text.strip()] == [f"flx: error: {line}"]
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")

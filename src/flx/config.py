@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value
-from flx.launch import run_name, shared_run_name
+from flx.launch import run_name, shared_run_name, slurm_job_id
 from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 from flx.systems.params import check_system
@@ -393,11 +393,36 @@ def _check_trainer(cfg: DictConfig) -> None:
     start = cfg.get("ddp_start", "auto")
     if start not in DDP_STARTS:
         raise bad_value("ddp_start", start, f"allowed: {', '.join(DDP_STARTS)}")
+    _check_slurm_layout(cfg)  # before the checks of the world size it gives
     world = _world_size(cfg)
     if world > 1 and strategy == "auto":
         raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")
     if not _every_client(cfg) and cfg.algo.clients_per_round < world:
         raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, f"must be >= the world size ({world})")
+
+
+# trainer=ddp's layout against a SLURM job's: (key, the SLURM variable, its sbatch/srun option, what it counts)
+SLURM_LAYOUT = (
+    ("trainer.devices", "SLURM_NTASKS_PER_NODE", "--ntasks-per-node", "tasks per node"),
+    ("trainer.num_nodes", "SLURM_NNODES", "--nodes", "nodes"),
+)
+
+
+def _check_slurm_layout(cfg: DictConfig) -> None:
+    """In a SLURM job, ``trainer=ddp`` runs one process per task: ``trainer.devices`` must be the job's tasks per node
+    and ``trainer.num_nodes`` its nodes. Lightning checks it only at ``trainer.fit``, with a traceback, once the run has
+    written its config; here it is one line before anything is written. Skipped where Lightning skips it (an
+    interactive job, ``SLURM_JOB_NAME`` bash or interactive; a layout SLURM does not export)."""
+    t = cfg.trainer
+    if slurm_job_id() is None or t.get("strategy") not in ("ddp", "flx_ddp"):
+        return
+    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return
+    for key, variable, option, what in SLURM_LAYOUT:
+        value, slurm = OmegaConf.select(cfg, key, default=None), os.environ.get(variable, "")
+        skip = not isinstance(value, int) or value < 1 or not slurm.isdigit()  # other values: _world_size's checks
+        if not skip and int(slurm) != value:
+            raise bad_value(key, value, f"must be the SLURM job's {what} ({option}={slurm}): one process per task")
 
 
 def _check_ckpt(cfg: DictConfig) -> None:
