@@ -154,6 +154,7 @@ def test_several_nodes_without_one_run_folder_give_one_line(tmp_path: Path, node
             "trainer.num_nodes=1: must be the SLURM job's nodes (--nodes=2): one process per task",
         ),
     ],
+    ids=["devices", "num_nodes"],
 )
 def test_a_layout_other_than_the_slurm_jobs_gives_one_line(tmp_path: Path, layout: tuple[str, ...], line: str) -> None:
     """A task of a 2-node, 1-task-per-node SLURM step whose ``trainer.devices`` / ``trainer.num_nodes`` say otherwise
