@@ -70,16 +70,17 @@ DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPER
 
 
 def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
-    """One line on stderr (from the first process only: under DDP every rank fails alike) and exit ``status``.
+    """One line on stderr (from the first process of each console only: under DDP every rank fails alike) and exit
+    ``status``.
 
     In a ``-m`` sweep the line names the job and the sweep goes on: the job returns ``{"status": status, ...}``
     (a submitit job to the launching process, which reports it), and the process that ran the sweep exits with the
     worst status once every job has run."""
-    from flx.launch import in_submitit_job, job_label, process_rank, record_failure, sweep_job
+    from flx.launch import first_on_console, in_submitit_job, job_label, record_failure, sweep_job
 
     label = job_label()
     line = f"flx: error: {label + ': ' if label else ''}{err}"
-    if process_rank() == 0:
+    if first_on_console():
         print(line, file=sys.stderr, flush=True)
     if sweep_job() is None:
         sys.exit(status)
@@ -171,11 +172,12 @@ main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train
 
 def _names_folder() -> bool:
     """Whether this process names the run's time-stamped folder (``hydra.run.dir``'s default): the first process of a
-    run, not a task of a SLURM step of several tasks (``flx.launch.run_name``: they share one name) nor a rank that
-    ``prelaunch`` started (given rank 0's folder)."""
-    from flx.launch import prelaunched, process_rank
+    run, not a task of a SLURM step of several tasks nor a rank torchrun started with a rendezvous id
+    (``flx.launch.shared_run_name``: they share one name) nor a rank that ``prelaunch`` started (given rank 0's
+    folder)."""
+    from flx.launch import prelaunched, process_rank, shared_run_name
 
-    several = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    several = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 or shared_run_name() is not None
     return not (several or prelaunched() or process_rank() != 0)
 
 

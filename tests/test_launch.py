@@ -29,6 +29,11 @@ RANK_ENV = (
     "SLURM_JOB_ID",
     "SLURM_RESTART_COUNT",
     "SLURM_STEP_ID",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
 )
 
 
@@ -47,6 +52,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, 2),  # srun, 4 tasks
         ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "LOCAL_RANK": "1"}, 1),  # Lightning's child in a 1-task job
         ({"LOCAL_RANK": "1"}, 1),  # Lightning's child on a workstation
+        ({"NODE_RANK": "1"}, 1),  # node 1 of trainer.num_nodes=2 trainer.devices=1, started by hand
+        ({"NODE_RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}, 1),  # its processes per node unknown: not 0
+        ({"NODE_RANK": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, 9),  # 2 * 4 + 1
+        ({"RANK": "5", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, 5),  # torchrun: RANK
     ],
 )
 def test_process_rank_before_the_process_group_exists(clean_env, env: dict[str, str], rank: int) -> None:
@@ -62,10 +71,14 @@ def test_process_rank_before_the_process_group_exists(clean_env, env: dict[str, 
         ({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}, "2026-11-23_10-00-00"),  # one task
         ({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "2"}, "2026-11-23_10-00-00"),  # the batch shell, not a step
         ({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, "slurm-42.3"),
+        ({"TORCHELASTIC_RUN_ID": "job7", "WORLD_SIZE": "4", "RANK": "3"}, "torchrun-job7"),  # --rdzv-id, standalone
+        ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", "RANK": "3"}, "2026-11-23_10-00-00"),  # static: no id
+        ({"TORCHELASTIC_RUN_ID": "job7", "WORLD_SIZE": "1", "RANK": "0"}, "2026-11-23_10-00-00"),  # one process
     ],
 )
 def test_every_task_of_a_slurm_step_names_the_same_run_folder(clean_env, env: dict[str, str], name: str) -> None:
-    """Each task resolves hydra.run.dir itself: in a step of several tasks the name cannot come from the clock."""
+    """Each task resolves hydra.run.dir itself: in a step of several tasks, or among the processes torchrun started
+    with a rendezvous id, the name cannot come from the clock."""
     for key, value in env.items():
         clean_env.setenv(key, value)
     assert run_name("2026-11-23_10-00-00") == name

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flx.errors import ConfigError, bad_value
-from flx.launch import run_name
+from flx.launch import run_name, shared_run_name, slurm_job_id
 from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 from flx.systems.params import check_system
@@ -109,6 +109,7 @@ def _compose(
         cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
     if not check:
         return cfg, None
+    _check_nodes(cfg)
     task = copy.deepcopy(cfg)  # the run's config: without Hydra's node (as hydra.core.utils.run_job passes it)
     with open_dict(task):
         del task["hydra"]
@@ -127,6 +128,23 @@ def _validate(user: Sequence[str], overrides: Sequence[str], cfg: DictConfig, co
     _check_files(cfg)
     _check_wandb(cfg)
     _check_run_dir(overrides, cfg)
+
+
+def _check_nodes(cfg: DictConfig) -> None:
+    """``trainer.num_nodes > 1``: every node writes into one run folder, so its name must not come from each node's
+    clock (``hydra.run.dir``'s default), unless the launcher gives every process one name (``srun``, torchrun with a
+    rendezvous id: :func:`flx.launch.shared_run_name`). A node in a folder of its own would not find the run's
+    checkpoints, and ``ckpt_path=auto`` would resume rank zero alone."""
+    nodes = cfg.trainer.get("num_nodes") or 1
+    folder = OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir")
+    if not isinstance(nodes, int) or nodes < 2 or "${now:" not in str(folder) or shared_run_name() is not None:
+        return
+    raise bad_value(
+        "trainer.num_nodes",
+        nodes,
+        "every node must write into one run folder: give all nodes the same hydra.run.dir=<a folder they share> "
+        "(srun, and torchrun with --rdzv-id=<job id>, name one themselves)",
+    )
 
 
 def _check_launcher(overrides: Sequence[str]) -> None:
@@ -375,11 +393,36 @@ def _check_trainer(cfg: DictConfig) -> None:
     start = cfg.get("ddp_start", "auto")
     if start not in DDP_STARTS:
         raise bad_value("ddp_start", start, f"allowed: {', '.join(DDP_STARTS)}")
+    _check_slurm_layout(cfg)  # before the checks of the world size it gives
     world = _world_size(cfg)
     if world > 1 and strategy == "auto":
         raise bad_value("trainer.strategy", strategy, f"set trainer.strategy=ddp to run on {world} devices")
     if not _every_client(cfg) and cfg.algo.clients_per_round < world:
         raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, f"must be >= the world size ({world})")
+
+
+# trainer=ddp's layout against a SLURM job's: (key, the SLURM variable, its sbatch/srun option, what it counts)
+SLURM_LAYOUT = (
+    ("trainer.devices", "SLURM_NTASKS_PER_NODE", "--ntasks-per-node", "tasks per node"),
+    ("trainer.num_nodes", "SLURM_NNODES", "--nodes", "nodes"),
+)
+
+
+def _check_slurm_layout(cfg: DictConfig) -> None:
+    """In a SLURM job, ``trainer=ddp`` runs one process per task: ``trainer.devices`` must be the job's tasks per node
+    and ``trainer.num_nodes`` its nodes. Lightning checks it only at ``trainer.fit``, with a traceback, once the run has
+    written its config; here it is one line before anything is written. Skipped where Lightning skips it (an
+    interactive job, ``SLURM_JOB_NAME`` bash or interactive; a layout SLURM does not export)."""
+    t = cfg.trainer
+    if slurm_job_id() is None or t.get("strategy") not in ("ddp", "flx_ddp"):
+        return
+    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return
+    for key, variable, option, what in SLURM_LAYOUT:
+        value, slurm = OmegaConf.select(cfg, key, default=None), os.environ.get(variable, "")
+        skip = not isinstance(value, int) or value < 1 or not slurm.isdigit()  # other values: _world_size's checks
+        if not skip and int(slurm) != value:
+            raise bad_value(key, value, f"must be the SLURM job's {what} ({option}={slurm}): one process per task")
 
 
 def _check_ckpt(cfg: DictConfig) -> None:

@@ -16,30 +16,60 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-# what Lightning's launcher exports for the processes it starts (lightning.fabric's subprocess launcher)
-DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# what Lightning's launcher exports for the processes it starts (lightning.fabric's subprocess launcher), and the thread
+# count it exports for this process (keep_threads)
+DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
 
 
 def process_rank() -> int:
     """This process's global rank, read from the environment so that it is known before the process group exists:
     ``RANK`` (torchrun), else ``SLURM_PROCID`` when the job step runs several tasks (``srun``), else ``LOCAL_RANK``
-    (Lightning's child processes on one machine), else 0."""
+    (Lightning's child processes) on node ``NODE_RANK`` (Lightning's own multi-node environment; ``GROUP_RANK`` where
+    that is unset, as Lightning reads it), else 0.
+
+    On node ``n > 0`` Lightning numbers the processes ``n * trainer.devices + LOCAL_RANK``; the environment holds the
+    processes per node only as ``LOCAL_WORLD_SIZE``, and without it this is ``n + LOCAL_RANK``: a lower bound, never 0,
+    which is what the callers ask (whether this process writes the run's outputs)."""
     if os.environ.get("RANK"):
         return int(os.environ["RANK"])
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and os.environ.get("SLURM_PROCID"):
         return int(os.environ["SLURM_PROCID"])
-    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    node = int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0)
+    return node * int(os.environ.get("LOCAL_WORLD_SIZE") or 1) + local
+
+
+def first_on_console() -> bool:
+    """Whether this process prints the lines every rank would print alike (a bad value, a stop on a signal): the first
+    process of each console. In a SLURM job step that is global rank zero (``srun`` gathers every task's output into
+    the job's one file); elsewhere the first process of each node (``LOCAL_RANK`` 0: torchrun, and Lightning, show a
+    node's processes on the console of the command started on that node), so every node's console says why it
+    stopped."""
+    if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        return process_rank() == 0
+    return int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
 
 
 def run_name(timestamp: str) -> str:
-    """The name of a single run's folder (``hydra.run.dir``, resolver ``flx_run_name``): ``timestamp``, except in a
-    SLURM job step of several tasks (``srun python train.py``), where each task would read its own clock and could
-    name another folder: there ``slurm-<job>.<step>``, which every task of the step computes alike (and a requeued
-    job computes again, so it finds its checkpoints)."""
+    """The name of a single run's folder (``hydra.run.dir``, resolver ``flx_run_name``): :func:`shared_run_name` where
+    the launch gives every process one, else ``timestamp``."""
+    return shared_run_name() or timestamp
+
+
+def shared_run_name() -> str | None:
+    """The run folder's name that every process of a launch computes alike, where each would otherwise read its own
+    clock (on its own node) and could name another folder: ``slurm-<job>.<step>`` in a SLURM job step of several tasks
+    (``srun python train.py``; a requeued job computes it again, so it finds its checkpoints), ``torchrun-<run id>``
+    for the processes torchrun started with a rendezvous id (``torchrun --standalone``, or ``--rdzv-id=<job id>`` on
+    every node: ``TORCHELASTIC_RUN_ID``); None otherwise (torchrun's static rendezvous has the id ``none``: give every
+    node the same ``hydra.run.dir``)."""
     job, step = slurm_job_id(), os.environ.get("SLURM_STEP_ID")
     if job is not None and step is not None and int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
         return f"slurm-{job}.{step}"
-    return timestamp
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if elastic not in ("", "none") and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return f"torchrun-{elastic}"
+    return None
 
 
 def slurm_job_id() -> str | None:
@@ -316,6 +346,19 @@ def fork_ranks() -> int:
     threading.Thread(target=_watch, args=(_children,), name="flx-rank-watch", daemon=True).start()
     _set_threads()
     return 0
+
+
+def keep_threads(num_threads: int | None) -> None:
+    """Exports ``num_threads`` (when set) as ``OMP_NUM_THREADS``, so that Lightning keeps it: its DDP launcher sets
+    ``torch.set_num_threads(cores // processes on this node)`` at ``trainer.fit`` unless that variable is set
+    (``lightning.fabric.utilities.distributed._set_num_threads_if_needed``). It replaced ``num_threads`` on every DDP
+    run, silently, and made the run's floating-point sums depend on how the ranks were laid out over machines: on one
+    2-core machine 1 node x 2 processes ran 1 thread a process and 2 "nodes" x 1 process 2, and the two ended with
+    global models 1 ulp apart (``tests/test_multinode.py``). ``null`` leaves the choice to Lightning, as before.
+    Called for DDP runs only (``flx.run.build_trainer``): a single process has no launcher, and the variable would
+    outlive a run called in-process (a sweep job restores it, :func:`as_single_run`)."""
+    if num_threads:
+        os.environ["OMP_NUM_THREADS"] = str(int(num_threads))
 
 
 def _set_threads() -> None:

@@ -29,7 +29,15 @@ from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
-from flx.launch import fork_ranks, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
+from flx.launch import (
+    fork_ranks,
+    job_label,
+    keep_threads,
+    process_rank,
+    slurm_job_id,
+    slurm_restarts,
+    threads_until_fork,
+)
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
@@ -106,6 +114,7 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
+        keep_threads(cfg.get("num_threads"))  # else Lightning's DDP launcher replaces num_threads at the fit
     if slurm_job_id() is not None:  # flx requeues itself at a round boundary (RoundCheckpoint), not mid-round
         try:
             kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))

@@ -218,11 +218,12 @@ def new_folder(path: str) -> str:
 
 
 def _is_first_process() -> bool:
-    """Whether this process is the run's first (global rank 0 on the first node): the one that guards and locks.
-    DDP's other ranks (started by ``flx.launch.prelaunch``, Lightning or ``srun``) join its folder."""
+    """Whether this process is the run's first (global rank 0, on the first node): the one that guards and locks.
+    DDP's other ranks (started by ``flx.launch.prelaunch``, Lightning, ``srun`` or torchrun, on any node) join its
+    folder."""
     from flx.launch import process_rank
 
-    return process_rank() == 0 and int(os.environ.get("NODE_RANK", "0") or 0) == 0
+    return process_rank() == 0
 
 
 @contextmanager

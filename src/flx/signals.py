@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from flx.launch import expect_exit, process_rank, slurm_job_id  # the standard library only, like this module
+# the standard library only, like this module
+from flx.launch import expect_exit, first_on_console, process_rank, slurm_job_id
 
 CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 IMMEDIATE = (signal.SIGTERM, signal.SIGINT)  # a second one of these stops the process at once
@@ -197,8 +198,8 @@ def requeue_job(job: str | None) -> None:
 
 
 def say(stop: Stop, label: str = "") -> None:
-    """Prints ``stop``'s line on stderr, from rank 0 only (every rank stops alike)."""
-    if process_rank() == 0:
+    """Prints ``stop``'s line on stderr, from the first process of each console only (every rank stops alike)."""
+    if first_on_console():
         print(stop.line(label), file=sys.stderr, flush=True)
 
 
