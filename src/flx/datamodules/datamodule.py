@@ -99,8 +99,8 @@ class ClientStore:
         x = self.x.to(dtype=dtype if self.x.is_floating_point() else None)
         y = self.y.to(dtype=dtype if self.y.is_floating_point() else None)
         device = torch.device(device)
-        if on_device is None:
-            on_device = fits_on(device, x.nbytes + y.nbytes + index_bytes(self.client_indices))
+        if on_device is None:  # the sizes are summed only where they decide (a GPU)
+            on_device = device.type != "cuda" or fits_on(device, x.nbytes + y.nbytes + index_bytes(self.client_indices))
         if not on_device:
             self.x, self.y = HostRows(x.cpu(), device), HostRows(y.cpu(), device)
             return self
