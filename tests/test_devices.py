@@ -78,7 +78,14 @@ def test_fedavg_on_a_device_syncs_once_per_client_and_equals_the_host_run(vector
 # under the check's dispatch, so WHALE trains 2 clients
 ALGOS = {
     "fedavg": [],
-    "fedavg_vectorized": ["algo=fedavg", "algo.vectorize=true", "model=mlp"],
+    "fedavg_vectorized": ["algo=fedavg", "algo.vectorize=true", "model=mlp"],  # the cohort folded into the batch
+    "fedavg_vectorized_vmap": [
+        "algo=fedavg",
+        "algo.vectorize=true",
+        "model=cnn",
+        "model.channels=[4,8]",
+        "model.hidden=16",
+    ],
     "fedprox": [],
     "fedadam": [],
     "feddualavg": [],
