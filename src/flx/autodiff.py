@@ -142,7 +142,8 @@ def hvp(
             g = _grad(net, w, batch, loss_fn, create_graph=True)
             return list(torch.autograd.grad(g, w, grad_outputs=v, materialize_grads=True))
         norm = torch.sqrt(sum(t.pow(2).sum() for t in v))
-        tau = (FD_EPS if eps is None else eps) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+        radius = FD_EPS if eps is None else eps.to(norm.dtype) if isinstance(eps, Tensor) else eps
+        tau = radius / norm.clamp_min(torch.finfo(norm.dtype).tiny)
         with _same_rng(params):  # the second gradient draws the same dropout masks as the first
             plus = _grad(net, _leaves([p.detach() + tau * t for p, t in zip(params, v)]), batch, loss_fn, False)
         minus = _grad(net, _leaves([p.detach() - tau * t for p, t in zip(params, v)]), batch, loss_fn, False)

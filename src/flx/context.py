@@ -114,7 +114,9 @@ class ClientData:
     """What the federation needs from the data: one tensor store and per-client index views (a sequence of int64
     tensors: a list, or the datamodule's :class:`~flx.datamodules.ragged.Ragged`, which makes a view when asked for);
     the first ``num_train_clients`` clients train, the others are evaluation-only; ``client_support``: each client's
-    support rows (few-shot tasks) or ``None`` (``flx.datamodules.datamodule.ClientStore``)."""
+    support rows (few-shot tasks) or ``None`` (``flx.datamodules.datamodule.ClientStore``). ``x`` and ``y`` are
+    tensors on the net's device, or :class:`~flx.datamodules.placement.HostRows` for a store kept on the host (indexing
+    gives the rows on the net's device; row indices then live on the host: ``index_device``)."""
 
     x: Tensor
     y: Tensor

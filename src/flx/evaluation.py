@@ -67,13 +67,13 @@ def evaluate_clients(
     shared = []  # this rank's clients evaluated with the global model
     was_training = fed.net.training
     for cid in range(fed.rank, len(data), fed.world_size):
-        rows = data.rows[cid]
-        if len(rows) == 0:
+        if len(data.rows[cid]) == 0:
             continue
         with personalized(fed, cid) as own:
             if not own:
                 shared.append(cid)
                 continue
+            rows = data.rows[cid].to(getattr(data.x, "index_device", data.x.device))  # they may live on the host
             fed.net.eval()
             with torch.no_grad(), fed.step_context():
                 sums[cid] = [float(metric(fed.net(data.x[rows]), data.y[rows])) * len(rows), float(len(rows))]
@@ -101,25 +101,29 @@ def global_sums(
 
     The clients go in groups whose distinct rows number at most ``batch_rows``; a group is one forward pass over its
     distinct rows, so a row that several clients hold is forwarded once. A client with more rows is evaluated alone,
-    in chunks of ``batch_rows`` (its value is then the row-weighted sum of the chunks'). Float64 sums.
+    in chunks of ``batch_rows`` (its value is then the row-weighted sum of the chunks'). Float64 sums, kept on the
+    net's device until the end: one device-to-host copy for all ``clients``, not one per client.
     """
-    out: dict[int, float] = {}
+    out: dict[int, Tensor] = {}
     was_training = fed.net.training
+    dev = getattr(x, "index_device", x.device)  # where row indices into x live (flx.datamodules.placement)
     fed.net.eval()
     try:
         with fed.step_context():
             for group, union in _groups(rows, clients, batch_rows):
                 if len(union) > batch_rows:  # one client
-                    chunks = rows[group[0]].split(batch_rows)
-                    out[group[0]] = sum(float(fn(fed.net(x[r]), y[r]).double()) * len(r) for r in chunks)
+                    chunks = rows[group[0]].to(dev).split(batch_rows)
+                    out[group[0]] = sum(fn(fed.net(x[r]), y[r]).double() * len(r) for r in chunks)
                     continue
-                outputs = fed.net(x[union])
+                outputs = fed.net(x[union.to(dev)])
                 for cid in group:
                     r = rows[cid]
-                    out[cid] = float(fn(outputs[torch.searchsorted(union, r)], y[r]).double()) * len(r)
+                    at = torch.searchsorted(union, r).to(outputs.device)
+                    out[cid] = fn(outputs[at], y[r.to(dev)]).double() * len(r)
     finally:
         fed.net.train(was_training)
-    return out
+    values = torch.stack(list(out.values())).cpu().tolist() if out else []
+    return dict(zip(out, values))
 
 
 def client_losses(fed: Federation, clients: Iterable[int]) -> dict[int, float]:
@@ -134,12 +138,12 @@ def _groups(rows: Sequence[Tensor], clients: Iterable[int], batch_rows: int) -> 
     """``clients`` with rows, in order, as ``(group, its distinct rows ascending)``: each group's distinct rows at most
     ``batch_rows``, or one client."""
     group: list[int] = []
-    union = torch.zeros(0, dtype=torch.long)
+    union: Tensor | None = None  # on the rows' device
     for cid in clients:
         r = rows[cid]
         if len(r) == 0:
             continue
-        grown = torch.cat([union, r]).unique()
+        grown = r.unique() if union is None else torch.cat([union, r]).unique()
         if group and len(grown) > batch_rows:
             yield group, union
             group, grown = [], r.unique()

@@ -114,6 +114,8 @@ class Federation:
         rows no client sees, frozen models), or None.
         """
         self.net, self.data, self.loss_fn = net, data, loss_fn
+        # where row indices into the store live: the store's device, or the host for a store kept there (HostRows)
+        self.index_device: torch.device = getattr(data.x, "index_device", data.x.device)
         indices = data.client_indices
         # a client's row count without making its view (a Ragged reads two offsets): asked ~6 times per client
         self._rows_of: Callable[[int], int] = (
@@ -131,6 +133,7 @@ class Federation:
         self.global_other = [b.detach().clone() for b in self.other_buffers]
         self.local_state = self.params + self.float_buffers  # what a client uploads
         self.stats = RoundStats(COUNTERS)
+        self.counted: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)  # the last round's, read once after its reduce
         for part in self._hooked["on_attach"]:
             part.on_attach(self)
         self._allocate_round_buffer()
@@ -181,8 +184,12 @@ class Federation:
     @property
     def train_loss(self) -> float | None:
         """The round's mean local training loss over the aggregated clients of every rank (after the reduce)."""
-        n = float(self.counters[COUNTERS.index("loss_count")])
-        return float(self.counters[COUNTERS.index("loss_sum")]) / n if n > 0 else None
+        n = self.counted["loss_count"]
+        return self.counted["loss_sum"] / n if n > 0 else None
+
+    def _read_counters(self) -> None:
+        """The reduced counters as Python numbers (:attr:`counted`): one device-to-host copy for the round."""
+        self.counted = dict(zip(COUNTERS, self.counters.cpu().tolist()))
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (pickled through the process group; identity on one process)."""
@@ -281,9 +288,9 @@ class Federation:
         if self.divergence.factor is None:
             return
         if self.divergence.needs_reference():
-            rows = float(self.counters[COUNTERS.index("initial_rows")])
+            rows = self.counted["initial_rows"]
             if rows > 0:
-                self.divergence.set_reference(float(self.counters[COUNTERS.index("initial_loss_sum")]) / rows)
+                self.divergence.set_reference(self.counted["initial_loss_sum"] / rows)
         self.divergence.observe(self.rnd.round + 1, self.train_loss, self.knob)
 
     def knob(self) -> str:
@@ -331,10 +338,11 @@ class Federation:
                 global model is not finite.
         """
         self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
+        self._read_counters()
         self._share_client_states()
         self.faults = self._round_faults()
         self._judge_divergence()
-        if self.counters[COUNTERS.index("aggregated")] > 0:
+        if self.counted["aggregated"] > 0:
             self._server_step()
         else:  # no client of the round had usable rows: the global model stays as it was
             self.load_global()
@@ -366,7 +374,7 @@ class Federation:
     def _round_faults(self) -> RoundFaults:
         """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
         by the fault policy (:func:`flx.faults.judge`)."""
-        dropped, skipped, aggregated = (int(c) for c in self.counters[:3].tolist())
+        dropped, skipped, aggregated = (int(self.counted[k]) for k in COUNTERS[:3])
         mine = self._left_out
         if (dropped or skipped) and self.world_size > 1 and self.gather is not None:
             everyone = self.gather(mine)
@@ -382,9 +390,10 @@ class Federation:
         all-gather runs only in rounds where some rank stored a client state (the reduced ``stored`` counter), so
         parts without per-client state cost no collective beyond the round's reduce.
         """
-        if self.world_size == 1 or self.gather is None or float(self.counters[COUNTERS.index("stored")]) == 0:
+        if self.world_size == 1 or self.gather is None or self.counted["stored"] == 0:
             return
-        cpu = {cid: {k: v.detach().cpu() for k, v in st.items()} for cid, st in self._state_updates.items()}
+        # the store's host copies (the state it was just given): no device read per tensor
+        cpu = {cid: self.store.get(cid) for cid in self._state_updates}
         for rank, updates in enumerate(self.gather(cpu)):
             if rank == self.rank:
                 continue
@@ -507,8 +516,10 @@ class Federation:
         """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""
         for part in self._hooked["local_update"]:
             loss = part.local_update(self, client)
-            if loss is not None:
-                return torch.as_tensor(loss, dtype=torch.float64).detach().reshape(())
+            if loss is not None:  # on the net's device, as the default steps' loss is
+                if isinstance(loss, Tensor):
+                    return loss.detach().to(torch.float64).reshape(())
+                return torch.full((), float(loss), dtype=torch.float64, device=self.params[0].device)
         return self._local_steps(client) / max(client.num_steps, 1)
 
     def client_batches(self, client: ClientContext) -> Iterator[Tensor]:
@@ -518,7 +529,9 @@ class Federation:
         return local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
 
     def batch(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """``(x, y)`` of ``rows`` of the tensor store."""
+        """``(x, y)`` of ``rows`` of the tensor store (rows held on the host, e.g. the server's, are copied to the
+        store's device first; the clients' rows are there already)."""
+        rows = rows.to(self.index_device)
         return self.data.x[rows], self.data.y[rows]
 
     # ------------------------------------------------------------------ derivatives at other parameters
@@ -611,14 +624,19 @@ class Federation:
         """A metric of every client's personalised model on its own rows (:func:`flx.evaluation.evaluate_clients`)."""
         return evaluation.evaluate_clients(self, data, metric)
 
-    @torch.no_grad()
     def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:
         """Mean ``loss_fn`` of the net's current model over ``rows`` of the store, outside training.
 
         The net runs in eval mode (no dropout, no BatchNorm statistics update) inside the step context and is put
         back in its previous mode; no random number is drawn. ``loss_fn`` must return a batch mean.
         """
+        return float(self.eval_loss_tensor(rows, chunk))
+
+    @torch.no_grad()
+    def eval_loss_tensor(self, rows: Tensor, chunk: int = 4096) -> Tensor:
+        """:meth:`eval_loss` as a float64 scalar on the net's device (no host sync: for use inside local steps)."""
         was_training = self.net.training
+        rows = rows.to(self.index_device)
         self.net.eval()
         try:
             with self.step_context():
@@ -627,7 +645,7 @@ class Federation:
                 )
         finally:
             self.net.train(was_training)
-        return float(total) / len(rows)
+        return total / len(rows)
 
     def _part_batch(self, client: ClientContext) -> Tensor | None:
         for part in self._hooked["sample_batch"]:

@@ -26,6 +26,7 @@ from flx.config import check_monitor, data_protocol, one_line, validate
 from flx.console import final_line, headline
 from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
+from flx.determinism import cuda_determinism
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
@@ -122,7 +123,8 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
             raise ConfigError(f"SLURM: {one_line(err)}") from None
     # limit_train_batches caps the clients per rank and round: the loop's, not Lightning's (a round is one batch)
     trainer_cfg = {k: v for k, v in cfg.trainer.items() if k not in ("process_group_backend", "limit_train_batches")}
-    trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
+    with cuda_determinism(cfg.trainer.get("deterministic")):  # before anything runs on the GPU (flx.determinism)
+        trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
     return loop.install(trainer, client_limit=cfg.trainer.get("limit_train_batches"))
 
 

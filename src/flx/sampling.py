@@ -126,9 +126,15 @@ whose ``[positions]`` (an int64 tensor of positions) gives the rows at those pos
 
 
 def take(rows: Rows, positions: Tensor) -> Tensor:
-    """``rows[positions]``; a ``range`` is computed (``start + step * positions``), never materialised."""
+    """``rows[positions]``; a ``range`` is computed (``start + step * positions``), never materialised.
+
+    ``positions`` are drawn on the host (a CPU generator); rows held on a device (the store's, docs/loop.md "Devices")
+    get them in one copy per pass, so the minibatches are slices of a device tensor and a step copies nothing.
+    """
     if isinstance(rows, range):
         return rows.start + rows.step * positions
+    if isinstance(rows, Tensor) and rows.device != positions.device:
+        positions = positions.to(rows.device, non_blocking=True)
     return rows[positions]
 
 

@@ -79,6 +79,10 @@ class _Layout:
         # torch.cat makes a new tensor (moved to the CPU when it is on a device); a lone tensor is copied
         return tuple(torch.cat(g).to("cpu") if len(g) > 1 else g[0].to("cpu", copy=True) for g in groups)
 
+    def unpack_packed(self, state: ClientState) -> ClientState:
+        """``state`` copied to the host as views of :meth:`pack`'s buffers."""
+        return self.unpack(self.pack(state))
+
     def unpack(self, buffers: tuple[Tensor, ...]) -> ClientState:
         """Views of ``buffers`` under the client's names and shapes."""
         return {
@@ -172,14 +176,20 @@ class ClientStateStore:
             self._tag[cid] = self._gen
             # written in place: a file of this tag is in no snapshot yet, and a kill mid-write leaves a file that
             # nothing refers to (removed after the resume, see load_state_dict)
-            torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, self._path(cid, self._gen))
+            # one host copy per dtype (views of it saved: torch.save writes the shared buffer once)
+            torch.save(self._layout(state).unpack_packed(state), self._path(cid, self._gen))
             self._unsynced.add(cid)
             return
+        layout = self._layout(state)
+        self._mem[cid] = (layout, layout.pack(state))
+
+    def _layout(self, state: ClientState) -> _Layout:
+        """The layout of ``state``'s names, shapes and dtypes (one per kind of state, shared by its clients)."""
         key = _Layout.of(state)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = _Layout.build(key)
-        self._mem[cid] = (layout, layout.pack(state))
+        return layout
 
     def state_dict(self, round: int | None = None) -> dict[str, Any]:
         """A snapshot of the store for a checkpoint, labelled with ``round`` (what :meth:`retain` keeps by).

@@ -285,7 +285,7 @@ def _vmapped(fed: Federation) -> Callable[[list[Tensor], Tensor, list[int]], Ten
         outs: list[Tensor] = [x] * len(sizes)
         for size in set(sizes):
             members = [i for i, s in enumerate(sizes) if s == size]
-            idx = torch.tensor(members, device=x.device)
+            idx = torch.tensor(members).to(x.device)
             for i, y in zip(members, batched(tuple(p[idx] for p in params), x[idx, :size])):
                 outs[i] = y
         return outs

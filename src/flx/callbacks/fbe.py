@@ -192,7 +192,7 @@ class FBE(FederatedCallback):
         size = self.params.hessian_batch_size or fed.cfg.batch_size
         if size >= len(rows):
             return rows
-        return rows[torch.randperm(len(rows), generator=client.extras[_HAT])[:size]]
+        return rows[torch.randperm(len(rows), generator=client.extras[_HAT])[:size].to(rows.device)]  # host draw
 
     @override
     def on_local_grad(self, fed: Federation, client: ClientContext) -> None:

@@ -233,7 +233,7 @@ class LambdaSampling(FederatedCallback):
                 rows = fed.data.client_indices[cid]
                 if batch < len(rows):
                     g = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, cid, _EVAL_BATCH_TAG))
-                    rows = rows[torch.randperm(len(rows), generator=g)[:batch]]
+                    rows = rows[torch.randperm(len(rows), generator=g)[:batch].to(rows.device)]  # drawn on the host
                 out[cid] = self._loss_at(fed, values, rows)
         finally:
             fed.net.train(was_training)

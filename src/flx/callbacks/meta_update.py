@@ -66,8 +66,8 @@ def maml_gradient(
     Eq. 10's central difference at radius ``delta`` along the un-normalised :math:`r`), and :math:`L(\\phi; Q)`."""
     phi = torch._foreach_add(theta, fed.grad_at(theta, support), alpha=-alpha)
     loss, r = fed.value_and_grad_at(phi, query)
-    norm = float(torch.sqrt(sum(t.double().pow(2).sum() for t in r)))
-    g = fed.hvp(r, support, mode=hessian, params=theta, eps=delta * norm if norm > 0 else delta)  # r = 0: g = 0
+    norm = torch.sqrt(sum(t.double().pow(2).sum() for t in r))  # stays on the device: no host sync per step
+    g = fed.hvp(r, support, mode=hessian, params=theta, eps=torch.where(norm > 0, delta * norm, delta))  # r = 0: g = 0
     return loss, torch._foreach_add(r, g, alpha=-alpha)
 
 

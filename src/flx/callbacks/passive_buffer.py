@@ -204,21 +204,22 @@ class PassiveBuffer(FederatedCallback):
                 handles = [q.register_input_hook(fed.net, cid, gen) for q in hooks]
                 pos, neg = self._split(fed, rows)
                 for _ in range(fed.client_steps(cid)):
-                    batch = torch.cat([pos[self._pick(pos, p.b1, gen)], neg[self._pick(neg, p.b2, gen)]])
-                    h = self.score(fed.net(fed.data.x[batch])).double().cpu()  # (B1 + B2,)
+                    at = [self._pick(pos, p.b1, gen).to(pos.device), self._pick(neg, p.b2, gen).to(neg.device)]
+                    batch = torch.cat([pos[at[0]], neg[at[1]]])
+                    h = self.score(fed.net(fed.data.x[batch])).double()  # (B1 + B2,), to the host once, below
                     scores["pos"].append(h[: p.b1])
                     scores["neg"].append(h[p.b1 :])
                 for handle in handles:
                     handle.remove()
         fed.net.train(was_training)
-        pos = torch.cat(scores["pos"])
-        return {"pos": pos, "u": torch.full_like(pos, p.u0), "neg": torch.cat(scores["neg"])}
+        pos = torch.cat(scores["pos"]).cpu()
+        return {"pos": pos, "u": torch.full_like(pos, p.u0), "neg": torch.cat(scores["neg"]).cpu()}
 
     @override
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
         if self.params.pairs == "passive":
             *pools, present = fed.stat(_POOLS)
-            counts = present.tolist()
+            counts = present.cpu().tolist()  # one copy to the host a round
             if max(counts) > 1:  # two local runs of one client (duplicates=repeat) would add up in one slot
                 raise RuntimeError(f"FeDXL: a client recorded its scores {max(counts):g} times in round {rnd.round}")
             cids = [cid for cid, c in enumerate(counts) if c > 0]
@@ -240,7 +241,7 @@ class PassiveBuffer(FederatedCallback):
     @staticmethod
     def _split(fed: Federation, rows: Tensor) -> tuple[Tensor, Tensor]:
         """A client's rows: its positives, its negatives."""
-        is_pos = fed.data.y[rows].cpu() == 1
+        is_pos = (fed.data.y[rows] == 1).to(rows.device)  # a no-op unless the store is kept on the host
         return rows[is_pos], rows[~is_pos]
 
     def _start_momentum(self, fed: Federation, client: ClientContext) -> Tensor:
@@ -260,7 +261,7 @@ class PassiveBuffer(FederatedCallback):
         client.extras["fedxl"] = {
             "pos": pos,
             "neg": neg,
-            "u": u.cpu().double(),
+            "u": u.to(fed.params[0].device, torch.float64),  # the u table lives with the scores it is updated from
             "m": self._start_momentum(fed, client),
             "rec": {"pos": [], "u": [], "neg": []},
             "order": self._passive_order(client),
@@ -290,6 +291,8 @@ class PassiveBuffer(FederatedCallback):
 
     @staticmethod
     def _pick(rows: Tensor, count: int, gen: torch.Generator) -> Tensor:
+        """``count`` positions into ``rows``, drawn on the host from ``gen`` (and kept there: the u table's update
+        groups them without a device sync, :func:`flx.losses.xrisk.update_u_table`)."""
         if len(rows) >= count:
             return torch.randperm(len(rows), generator=gen)[:count]
         return torch.randint(len(rows), (count,), generator=gen)
@@ -298,7 +301,8 @@ class PassiveBuffer(FederatedCallback):
     def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor:
         s = client.extras["fedxl"]
         s["ipos"] = self._pick(s["pos"], self.params.b1, client.generator)
-        return torch.cat([s["pos"][s["ipos"]], s["neg"][self._pick(s["neg"], self.params.b2, client.generator)]])
+        ineg = self._pick(s["neg"], self.params.b2, client.generator)
+        return torch.cat([s["pos"][s["ipos"].to(s["pos"].device)], s["neg"][ineg.to(s["neg"].device)]])
 
     @override
     def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:

@@ -69,13 +69,13 @@ class PerFedAvg(FederatedCallback):
     def local_update(self, fed: Federation, client: ClientContext) -> Tensor:
         p, beta = self.params, fed.cfg.lr
         support, query = fed.support_rows(client.cid), fed.query_rows(client.cid)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=fed.params[0].device)
         for _ in range(client.num_steps):
             w = [q.detach() for q in fed.params]
             loss, g_hat = maml_gradient(fed, w, support, query, p.alpha, p.hessian, p.delta)
             with torch.no_grad():
                 torch._foreach_add_(fed.params, g_hat, alpha=-beta)
-            total += loss.double().cpu()
+            total += loss.double()
         return total / max(client.num_steps, 1)
 
 

@@ -107,13 +107,14 @@ class PFedMe(FederatedCallback):
         theta = [q.detach().clone() for q in fed.params]
         total = 0.0
         for rows in fed.client_batches(client):
-            total += fed.eval_loss(rows)
+            total += fed.eval_loss_tensor(rows)  # on the device: no host sync per step
             w = [q.detach() for q in fed.params]
             theta = inner_solve(fed, theta, w, rows, p, self.reg)
             with torch.no_grad():  # w <- w - eta lam (w - theta)
                 torch._foreach_add_(fed.params, torch._foreach_sub(w, theta), alpha=-eta * p.lam)
         keep(client, _THETA, theta)
-        return torch.tensor(total / max(client.num_steps, 1), dtype=torch.float64, device=fed.params[0].device)
+        mean = total / max(client.num_steps, 1)
+        return mean if isinstance(mean, Tensor) else torch.zeros((), dtype=torch.float64, device=fed.params[0].device)
 
     @override
     def personalize(self, fed: Federation, cid: int) -> Any:

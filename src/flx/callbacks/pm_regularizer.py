@@ -209,7 +209,8 @@ class PMRegularizer(FederatedCallback):
             for pos in torch.randperm(len(rows), generator=gen).split(p.batch_size):
                 if len(pos) < 2:  # BatchNorm cannot normalise one row in train mode
                     continue
-                loss = self._loss(fed, pm, rows[pos], pos.to(rows.device), gen)
+                # the positions index CRD's memory banks, which are on the net's device
+                loss = self._loss(fed, pm, rows[pos], pos.to(fed.params[0].device), gen)
                 grads = torch.autograd.grad(loss, [*fed.params, *heads], allow_unused=True, materialize_grads=True)
                 torch._foreach_add_(total, list(grads[:n]), alpha=len(pos) / len(rows))
                 if opt is not None:

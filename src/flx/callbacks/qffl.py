@@ -116,7 +116,7 @@ class QFFL(FederatedCallback):
     @override
     @torch.no_grad()
     def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
-        sum_a, sum_h = fed.stat(_SUMS).tolist()
+        sum_a, sum_h = fed.stat(_SUMS).cpu().tolist()  # one copy to the host a round
         if not 0 < sum_h < math.inf:
             raise RuntimeError(f"q-FFL round {rnd.round}: sum of h_k is {sum_h}, the server step needs it in (0, inf)")
         s = self.L * sum_a / sum_h

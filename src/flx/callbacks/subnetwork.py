@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from flx.callbacks import whale_utility as wu
@@ -194,12 +194,13 @@ class Subnetwork(FederatedCallback):
         fed.net.set_width(1.0)  # also after a dropped last client, whose on_client_end never ran
         fi2, left_out = fed.stat(_FI2), set(fed.faults.dropped) | set(fed.faults.skipped)
         trained = [c for c in rnd.cohort if c not in left_out]
+        fi2 = fi2.cpu().tolist()  # one copy to the host a round
         for cid in trained if self.track_fisher else ():
-            self.windows[cid] = [*self.windows[cid], float(fi2[cid])][-self.params.D :]
+            self.windows[cid] = [*self.windows[cid], fi2[cid]][-self.params.D :]
         counts = {q: sum(v == q for v in self.levels.values()) for q in range(1, self.params.levels + 1)}
         self._log = {f"whale/level_{q}": float(k) for q, k in counts.items()}
         self._log["whale/width_mean"] = sum(fed.width(c) for c in rnd.cohort) / max(len(rnd.cohort), 1)
-        rms = [math.sqrt(max(float(fi2[c]), 0.0)) for c in trained]
+        rms = [math.sqrt(max(fi2[c], 0.0)) for c in trained]
         if self.track_fisher:
             self._log["whale/fi_mean"] = sum(rms) / len(rms) if rms else 0.0
         if self._utils:
@@ -235,15 +236,16 @@ class Subnetwork(FederatedCallback):
         x, y = client.batch
         gen = client.extras.get("whale_labels")
         p = self.params
-        fi = wu.batch_fisher(fed.net, fed.loss_fn, x, y, client.masks, p.fisher, gen, samples=p.fisher_samples)
+        fi = wu.batch_fisher_tensor(fed.net, fed.loss_fn, x, y, client.masks, p.fisher, gen, samples=p.fisher_samples)
         acc = client.extras["whale_fi2"]
         acc[0], acc[1] = acc[0] + fi * fi, acc[1] + 1
 
     @override
     def on_client_end(self, fed: Federation, client: ClientContext) -> None:
         fed.net.set_width(1.0)
-        total, count = client.extras.pop("whale_fi2")
-        fed.stat(_FI2)[client.cid] += total / max(count, 1)  # this rank's share: its clients' slots
+        total, count = client.extras.pop("whale_fi2")  # total: a float64 scalar on the device (no sync per step)
+        value, stat = total / max(count, 1), fed.stat(_FI2)
+        stat[client.cid] += value.to(stat.dtype) if isinstance(value, Tensor) else value  # this rank's clients' slots
 
     # ------------------------------------------------------------------ evaluation: static BN, logging
     def _rebuild_bn(self, pl_module: pl.LightningModule) -> None:

@@ -115,6 +115,21 @@ def batch_fisher(
     samples: int | None = None,
     chunk_size: int = 16,
 ) -> float:
+    """:func:`batch_fisher_tensor` as a Python float (one host sync)."""
+    return float(batch_fisher_tensor(net, loss_fn, x, y, masks, kind, generator, samples, chunk_size))
+
+
+def batch_fisher_tensor(
+    net: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    x: Tensor,
+    y: Tensor,
+    masks: Sequence[Tensor] | None,
+    kind: str = "trace_empirical",
+    generator: torch.Generator | None = None,
+    samples: int | None = None,
+    chunk_size: int = 16,
+) -> Tensor:
     """The scalar ``FI`` of the batch ``(x, y)`` for the net's trainable parameters (see the module docstring).
 
     ``masks``: 0/1 tensors aligned with the trainable parameters (longer lists are cut), the sub-model's entries
@@ -127,14 +142,14 @@ def batch_fisher(
         means = [
             ((p.grad * m) ** 2).sum() / m.sum().clamp_min(1) for (_, p), m in zip(params, ms) if p.grad is not None
         ]
-        return float(torch.stack(means).max()) / len(x)
+        return torch.stack(means).max().double() / len(x)
     x, y = (x, y) if samples is None else (x[:samples], y[:samples])
     if kind == "trace_sampled":  # token targets (B, L): a word per scored position, -100 stays
         with torch.no_grad():
             probs = torch.softmax(net(x).detach().double(), dim=-1)
         drawn = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
         y = torch.where(y < 0, y, drawn)
-    return float(per_sample_sq_norms(net, loss_fn, x, y, ms, chunk_size).mean())
+    return per_sample_sq_norms(net, loss_fn, x, y, ms, chunk_size).mean().double()
 
 
 def per_sample_sq_norms(

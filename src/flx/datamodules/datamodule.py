@@ -30,6 +30,7 @@ from flx.config import CLIENT_EVAL
 from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, held_cells, holdout
 from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
+from flx.datamodules.placement import HostRows, fits_on, index_bytes, rows_on
 from flx.datamodules.protocol import DataProtocol, load, save_split
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
@@ -85,12 +86,29 @@ class ClientStore:
         self.num_train_clients = len(client_indices) if num_train_clients is None else num_train_clients
         self.client_support = client_support
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> ClientStore:
-        """Moves the store to ``device``; float inputs and real-valued targets are cast to ``dtype`` (once, not per
-        step), integer token ids and class labels stay int64."""
-        x_dtype = dtype if self.x.is_floating_point() else None
-        y_dtype = dtype if self.y.is_floating_point() else None
-        self.x, self.y = self.x.to(device=device, dtype=x_dtype), self.y.to(device=device, dtype=y_dtype)
+    def to(self, device: torch.device, dtype: torch.dtype, on_device: bool | None = None) -> ClientStore:
+        """Places the store for a net on ``device`` (docs/loop.md, "Devices"; :mod:`flx.datamodules.placement`).
+
+        Float inputs and real-valued targets are cast to ``dtype`` (once, not per step), integer token ids and class
+        labels stay int64. On the device (``on_device``; None: when the store fits,
+        :func:`~flx.datamodules.placement.fits_on`): the inputs, the targets and every client's row indices and
+        support rows, moved once, so a minibatch is a gather on the device. Otherwise the inputs and targets stay in
+        pinned host memory (:class:`~flx.datamodules.placement.HostRows`) with the row indices. On the CPU the row
+        indices are kept as they are.
+        """
+        x = self.x.to(dtype=dtype if self.x.is_floating_point() else None)
+        y = self.y.to(dtype=dtype if self.y.is_floating_point() else None)
+        device = torch.device(device)
+        if on_device is None:  # the sizes are summed only where they decide (a GPU)
+            on_device = device.type != "cuda" or fits_on(device, x.nbytes + y.nbytes + index_bytes(self.client_indices))
+        if not on_device:
+            self.x, self.y = HostRows(x.cpu(), device), HostRows(y.cpu(), device)
+            return self
+        self.x, self.y = x.to(device), y.to(device)
+        if device.type != "cpu":
+            self.client_indices = rows_on(self.client_indices, device)
+            if self.client_support is not None:
+                self.client_support = rows_on(self.client_support, device)
         return self
 
 

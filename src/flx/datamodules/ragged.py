@@ -96,6 +96,11 @@ class Ragged(Sequence[A], Generic[A]):
         values = self.values if _is_tensor(self.values) else torch.from_numpy(self.values)
         return Ragged(values.long(), self.offsets)
 
+    def to(self, device: Any) -> Ragged[Tensor]:
+        """The same arrays as int64 tensors on ``device`` (one copy of the flat values; the offsets stay on the host,
+        so a client's row count never reads the device)."""
+        return Ragged(self.torch().values.to(device), self.offsets)
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -288,8 +288,8 @@ def update_u_table(table: Tensor, rows: Tensor, a: Tensor, partners: Tensor, ell
         The ``(B1,)`` post-update :math:`u` of the draws, on ``a``'s device and dtype, without grad.
     """
     inner = ell(a[:, None], partners[None, :]).mean(dim=1)  # (B1,)
-    uniq, inv = torch.unique(rows, return_inverse=True)
-    inv = inv.to(inner.device)
+    uniq, inv = torch.unique(rows, return_inverse=True)  # on the rows' device: the host's, so no device sync
+    uniq, inv = uniq.to(table.device), inv.to(inner.device)
     total = inner.new_zeros(len(uniq)).index_add_(0, inv, inner)
     count = inner.new_zeros(len(uniq)).index_add_(0, inv, torch.ones_like(inner))
     new = (1.0 - gamma) * table[uniq].to(inner) + gamma * total / count

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flx.errors import ConfigError, bad_value
@@ -110,7 +111,7 @@ class ResNetCIFAR(nn.Module):
         self.layer1 = _stage(w[0], w[1], blocks, stride=1)
         self.layer2 = _stage(w[1], w[2], blocks, stride=2)
         self.layer3 = _stage(w[2], w[3], blocks, stride=2)
-        self.pool = nn.AdaptiveAvgPool2d(1)  # == the authors' AvgPool2d(8) on 32x32 inputs
+        self.pool = GlobalAvgPool()  # == the authors' AvgPool2d(8) on 32x32 inputs
         self.head = nn.Linear(self.feat_dim, self.num_classes)
         _init(self)
 
@@ -122,6 +123,21 @@ class ResNetCIFAR(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Maps ``(B, C, H, W)`` to logits ``(B, num_classes)``."""
         return self.head(self.features(x))
+
+
+class GlobalAvgPool(nn.Module):
+    """``AdaptiveAvgPool2d(1)``: ``(B, C, H, W) -> (B, C, 1, 1)``, the mean over each channel's positions.
+
+    Under ``torch.use_deterministic_algorithms`` on CUDA (``trainer.deterministic=true``), where the adaptive pool's
+    backward has no deterministic kernel, the same mean is taken as ``x.mean((2, 3))``, whose backward is a broadcast;
+    elsewhere the adaptive pool itself (the CPU results of earlier flx versions, bit for bit). No parameters: the
+    checkpoints of either are the same.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.are_deterministic_algorithms_enabled():
+            return x.mean((2, 3), keepdim=True)
+        return F.adaptive_avg_pool2d(x, 1)
 
 
 def _blocks_per_stage(depth: Any) -> int:
