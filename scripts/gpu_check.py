@@ -1,0 +1,449 @@
+"""``make gpu-check``: the GPU path of flx verified in one run, printed as one table (docs/gpu.md).
+
+Sections (``--sections``, default all; each is one function returning table rows):
+
+* ``a``: every ``algo=`` config (``configs/algo/*.yaml``, as ``tests/test_algo_defaults.py`` runs them), 2 rounds on
+  the bundled data, in this process, on the device and on the CPU: the final test metrics agree within
+  :data:`METRIC_TOL` (float32 on both sides: TF32 is switched off for this section).
+* ``b``: ``trainer.precision=bf16-mixed`` and ``16-mixed``: the run ends with finite metrics and a finite model.
+* ``c``: 2 processes on one device (gloo; each process started as one node of a 2-node job, so both share the one
+  GPU) against 1 process: the same global model within :data:`MODEL_TOL`; NCCL with 2 processes where 2+ GPUs exist.
+* ``d``: ``kill -9`` in the middle of a round and ``ckpt_path=auto`` with ``trainer.deterministic=true``: the final
+  model is bitwise equal to the uninterrupted run's.
+* ``e``: speed (``gpu_check_speed.py``): ``make bench``'s workload a (small CNN, 50 of 1000 clients) and a ResNet-18
+  on CIFAR-shaped data, flx (defaults) against the plain PyTorch loop on the same device, sequential and
+  ``algo.vectorize=true``: rounds per second, peak device memory, the targets next to them.
+
+Without CUDA (or with ``--device cpu``) it runs the CPU analogue: the same sections, smaller (a few configs, CPU
+against CPU in (a), no ``16-mixed``, gloo on the CPU, tiny speed workloads). A section that cannot run here says
+``skipped: <reason>``. The table is also written as ``gpu_check.json`` and ``gpu_check.md`` under ``--out`` (after
+every section, so a run stopped by a time limit leaves what it had). Exit status 1 when a check failed.
+
+Usage: ``make gpu-check``, ``python scripts/gpu_check.py --sections a,d --out /tmp/gc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
+
+import torch  # noqa: E402
+
+SECTIONS = ("a", "b", "c", "d", "e")
+QUIET = ("callbacks.progress_bar=null", "trainer.enable_progress_bar=false")
+#: (a): |device - cpu| <= METRIC_TOL * max(1, |cpu|) per final metric: absolute on accuracies/AUCs (in [0, 1]),
+#: relative on losses above 1. Float32 on different kernels after 2 rounds differs by ~1e-6 (docs/gpu.md)
+METRIC_TOL = 1e-3
+#: (c): max |parameter difference| between 1 and 2 processes (the all-reduce sums in another order)
+MODEL_TOL = 1e-4
+#: the CPU analogue's configs in (a): plain FedAvg, a client-state store (Ditto), a server-side lambda (DRFA)
+CPU_ALGOS = ("fedavg", "ditto", "drfa")
+KILL = ("+callbacks.kill._target_=helpers.KillMidRound", "+callbacks.kill.round=4")
+
+
+@dataclass
+class Row:
+    """One line of the table.
+
+    Attributes:
+        section: ``a`` .. ``e``.
+        check: what was checked or measured.
+        status: ``passed``, ``FAILED``, ``measured`` (speed) or ``skipped: <reason>``.
+        value: what was measured (max difference, rounds per second, ...).
+        limit: the tolerance or target it is held to.
+        seconds: wall-clock seconds of the check.
+        detail: everything else, for the JSON file.
+    """
+
+    section: str
+    check: str
+    status: str
+    value: str = ""
+    limit: str = ""
+    seconds: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how large the checks run.
+
+    Attributes:
+        device: ``cuda`` or ``cpu`` (the device under test; the reference is always the CPU).
+        small: the CPU analogue (fewer configs and rounds, tiny speed workloads).
+        work: a scratch folder for the runs' outputs.
+        deadline: ``time.monotonic()`` after which remaining configs of (a) are skipped.
+        algos: the configs of (a).
+    """
+
+    device: str
+    small: bool
+    work: Path
+    deadline: float
+    algos: tuple[str, ...]
+
+
+def progress(line: str) -> None:
+    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+
+def timed_row(section: str, check: str, fn: Callable[[], Row]) -> Row:
+    """``fn()``'s row with its seconds; an exception becomes a FAILED row naming it (the other checks still run)."""
+    start = time.monotonic()
+    try:
+        row = fn()
+    except Exception as err:  # noqa: BLE001 - one failed check must not hide the others
+        row = Row(section, check, "FAILED", value=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    row.seconds = round(time.monotonic() - start, 1)
+    progress(f"({section}) {row.check}: {row.status} {row.value}".rstrip())
+    return row
+
+
+@contextlib.contextmanager
+def no_tf32() -> Iterator[None]:
+    """Float32 matrix products and convolutions in full float32 (PyTorch lets cuDNN use TF32 by default)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def train_here(out: Path, overrides: Sequence[str]) -> dict[str, float]:
+    """``python train.py <overrides>`` in this process (``flx.run.train``); its console output is discarded."""
+    from flx.config import precheck
+    from flx.run import train
+
+    cfg = precheck([*overrides, *QUIET, f"paths.output_dir={out}"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(cfg)
+
+
+def metric_gap(ref: dict[str, float], got: dict[str, float]) -> tuple[float, str, bool]:
+    """``(max |got - ref|, its key, within tolerance)`` over the final metrics; different keys or a non-finite
+    value never pass."""
+    if ref.keys() != got.keys() or not ref:
+        return math.inf, f"keys differ: {sorted(ref.keys() ^ got.keys())}", False
+    gaps = {k: abs(got[k] - ref[k]) for k in ref}
+    worst = max(gaps, key=lambda k: gaps[k] if math.isfinite(gaps[k]) else math.inf)
+    ok = all(math.isfinite(gaps[k]) and gaps[k] <= METRIC_TOL * max(1.0, abs(ref[k])) for k in ref)
+    return gaps[worst], worst, ok
+
+
+def _threads() -> list[str]:
+    return [f"num_threads={min(8, os.cpu_count() or 1)}"]
+
+
+def _one_algo(s: Setup, algo: str) -> Row:
+    base = [f"algo={algo}", "algo.rounds=2"]
+    ref = train_here(s.work / f"a-{algo}-cpu", [*base, "trainer.accelerator=cpu", *_threads()])
+    with no_tf32():
+        got = train_here(s.work / f"a-{algo}-{s.device}", [*base, f"trainer.accelerator={s.device}"])
+    gap, key, ok = metric_gap(ref, got)
+    return Row(
+        "a", f"algo={algo}: {s.device} vs cpu, 2 rounds", "passed" if ok else "FAILED",
+        value=f"max diff {gap:.2e} ({key})", limit=f"<= {METRIC_TOL:g} x max(1, |cpu|)",
+        detail={"cpu": ref, s.device: got},
+    )  # fmt: skip
+
+
+def section_a(s: Setup) -> list[Row]:
+    """Every ``algo=`` config on the device and on the CPU: the same final test metrics."""
+    rows = []
+    for algo in s.algos:
+        if time.monotonic() > s.deadline:
+            rows.append(Row("a", f"algo={algo}", "skipped: the time budget (--budget-s) ran out"))
+            continue
+        rows.append(timed_row("a", f"algo={algo}", lambda algo=algo: _one_algo(s, algo)))
+    return rows
+
+
+def finite_model(ckpt: Path) -> bool:
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+
+
+def _precision(s: Setup, precision: str) -> Row:
+    out = s.work / f"b-{precision}"
+    metrics = train_here(out, ["algo.rounds=2", f"trainer.accelerator={s.device}", f"trainer.precision={precision}"])
+    finite = bool(metrics) and all(math.isfinite(v) for v in metrics.values())
+    ok = finite and finite_model(out / "checkpoints" / "last.ckpt")
+    return Row(
+        "b", f"trainer.precision={precision} on {s.device}, 2 rounds", "passed" if ok else "FAILED",
+        value=f"test/acc {metrics.get('test/acc', math.nan):.4f}, test/loss {metrics.get('test/loss', math.nan):.4f}",
+        limit="metrics and model finite", detail=metrics,
+    )  # fmt: skip
+
+
+def section_b(s: Setup) -> list[Row]:
+    """Mixed precision: bf16 and fp16 runs end with finite metrics and a finite model."""
+    rows = []
+    for precision in ("bf16-mixed", "16-mixed"):
+        check = f"trainer.precision={precision}"
+        if s.device == "cpu" and precision == "16-mixed":
+            rows.append(Row("b", check, "skipped: Lightning has no fp16 autocast on the CPU (bf16-mixed is its form)"))
+        elif s.device == "cuda" and precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+            rows.append(Row("b", check, "skipped: this GPU has no bf16"))
+        else:
+            rows.append(timed_row("b", check, lambda p=precision: _precision(s, p)))
+    return rows
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A subprocess's environment: flx's sources and the test helpers first on the path (whatever the path held
+    stays after them: the carried wheels on the GPU machine), warnings off, no W&B service of this process."""
+    path = [str(ROOT / "tests"), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(path), **(extra or {})}
+    env.pop("WANDB_SERVICE", None)
+    return env
+
+
+def _command(out: Path, args: Sequence[str]) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *QUIET, *args, f"hydra.run.dir={out}"]
+
+
+def train_py(out: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` in a subprocess writing to ``out``."""
+    return subprocess.run(_command(out, args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def must(proc: subprocess.CompletedProcess, status: int = 0) -> None:
+    if proc.returncode != status:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        raise RuntimeError(f"train.py exited {proc.returncode} (expected {status}): {tail[0][:300]}")
+
+
+def state(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+
+
+def model_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, bool]:
+    """``(max |a - b| over the float tensors, bitwise equal)``; different keys give inf."""
+    if a.keys() != b.keys():
+        return math.inf, False
+    diffs = [float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point() and a[k].numel()]
+    return max(diffs, default=0.0), all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_nodes(out: Path, args: Sequence[str], timeout: float = 300) -> list[int]:
+    """Two processes of one job, each started as one node of 2 with one device (torchrun's environment): on one GPU
+    both use ``cuda:0``. Returns their exit statuses."""
+    job = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    job |= {"LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "gpu-check"}
+    nodes = ["trainer.strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2", "trainer.process_group_backend=gloo"]
+    procs = [
+        subprocess.Popen(
+            _command(out, [*args, *nodes]), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=_env({**job, "RANK": str(r), "GROUP_RANK": str(r), "NODE_RANK": str(r)}),
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+        codes.append(p.returncode)
+    return codes
+
+
+def _ranks(s: Setup, name: str, run: Callable[[Path], None]) -> Row:
+    args = ["algo.rounds=3", f"trainer.accelerator={s.device}"]
+    one = s.work / "c-one"
+    if not (one / "checkpoints" / "last.ckpt").is_file():
+        must(train_py(one, *args))
+    two = s.work / f"c-{name}"
+    run(two)
+    diff, same = model_diff(state(one), state(two))
+    return Row(
+        "c", f"2 processes ({name}) vs 1 on {s.device}, 3 rounds", "passed" if diff <= MODEL_TOL else "FAILED",
+        value=f"max |param diff| {diff:.2e}{' (bitwise)' if same else ''}", limit=f"<= {MODEL_TOL:g}",
+    )  # fmt: skip
+
+
+def _gloo(s: Setup, out: Path) -> None:
+    codes = two_nodes(out, ["algo.rounds=3", f"trainer.accelerator={s.device}"])
+    if codes != [0, 0]:
+        raise RuntimeError(f"the 2 processes exited {codes}")
+
+
+def _nccl(s: Setup, out: Path) -> None:
+    must(train_py(out, "algo.rounds=3", "trainer=ddp", "trainer.accelerator=cuda", "trainer.devices=2"))
+
+
+def section_c(s: Setup) -> list[Row]:
+    """1 process == 2 processes: gloo on one device, NCCL on two GPUs."""
+    rows = [timed_row("c", "2 processes (gloo)", lambda: _ranks(s, "gloo", lambda out: _gloo(s, out)))]
+    if s.device != "cuda":
+        rows.append(Row("c", "2 processes (nccl)", "skipped: no CUDA (NCCL runs on GPUs only)"))
+    elif torch.cuda.device_count() < 2:
+        rows.append(Row("c", "2 processes (nccl)", "skipped: 1 GPU (NCCL needs one GPU per process)"))
+    else:
+        rows.append(timed_row("c", "2 processes (nccl)", lambda: _ranks(s, "nccl", lambda out: _nccl(s, out))))
+    return rows
+
+
+def _resume(s: Setup) -> Row:
+    args = ["algo.rounds=6", "trainer.deterministic=true", f"trainer.accelerator={s.device}"]
+    full, out = s.work / "d-full", s.work / "d-killed"
+    must(train_py(full, *args))
+    must(train_py(out, *args, *KILL), -signal.SIGKILL)
+    at = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["flx"]["round"]
+    resumed = train_py(out, *args, "ckpt_path=auto")
+    must(resumed)
+    diff, same = model_diff(state(full), state(out))
+    return Row(
+        "d", f"kill -9 in round 5, resume (deterministic) on {s.device}", "passed" if same else "FAILED",
+        value=f"resumed from round {at}; {'bitwise equal' if same else f'max |param diff| {diff:.2e}'}",
+        limit="bitwise equal",
+    )  # fmt: skip
+
+
+def section_d(s: Setup) -> list[Row]:
+    """kill -9 in the middle of a round, resume: bitwise the uninterrupted model."""
+    return [timed_row("d", "kill -9 and resume", lambda: _resume(s))]
+
+
+def section_e(s: Setup) -> list[Row]:
+    """Speed against the plain loop (``gpu_check_speed.py``)."""
+    sys.modules.setdefault("gpu_check", sys.modules[__name__])  # run as a script: the speed rows are this Row
+    import gpu_check_speed
+
+    return gpu_check_speed.speed_rows(s.device, s.small, timed_row)
+
+
+RUNNERS: dict[str, Callable[[Setup], list[Row]]] = {
+    "a": section_a,
+    "b": section_b,
+    "c": section_c,
+    "d": section_d,
+    "e": section_e,
+}
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The rows as a markdown table (read as plain text too), in section order whatever order they ran in."""
+    rows = sorted(rows, key=lambda r: r.section)
+    head = "| | check | status | value | limit / target | s |\n| --- | --- | --- | --- | --- | --- |"
+    body = [f"| {r.section} | {r.check} | {r.status} | {r.value} | {r.limit} | {r.seconds:.0f} |" for r in rows]
+    return "\n".join([head, *body])
+
+
+def environment(device: str) -> dict[str, Any]:
+    import lightning
+
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": device,
+        "gpu": gpu,
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
+
+
+def write(out: Path, env: dict[str, Any], rows: Sequence[Row]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    ordered = [asdict(r) for r in sorted(rows, key=lambda r: r.section)]
+    (out / "gpu_check.json").write_text(json.dumps({"environment": env, "rows": ordered}, indent=1))
+    title = f"flx gpu-check on {env['gpu'] or 'the CPU'} (torch {env['torch']}, {env['time']})"
+    (out / "gpu_check.md").write_text(f"{title}\n\n{table(rows)}\n")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, of a,b,c,d,e, run in this order")
+    p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "gpu_check", help="folder for the table")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when there is one")
+    p.add_argument("--algos", default=None, help="comma-separated configs for (a) (default: all on CUDA, a few on CPU)")
+    p.add_argument("--budget-s", type=float, default=480, help="(a) skips its remaining configs after this many s")
+    args = p.parse_args(argv)
+    args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        p.exit(2, f"gpu_check: error: --sections: unknown {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}\n")
+    if args.algos is not None:
+        from flx.config import group_options
+
+        allowed = group_options("algo")
+        bad = [a for a in args.algos.split(",") if a not in allowed]
+        if bad:
+            p.exit(2, f"gpu_check: error: --algos: unknown {', '.join(bad)}; allowed: {', '.join(allowed)}\n")
+    if not args.budget_s > 0:
+        p.exit(2, f"gpu_check: error: --budget-s: {args.budget_s}; allowed: > 0 seconds\n")
+    if args.out.exists() and not args.out.is_dir():
+        p.exit(2, f"gpu_check: error: --out: {args.out} is a file; give a folder\n")
+    return args
+
+
+def setup(args: argparse.Namespace, work: Path, start: float) -> Setup:
+    from flx.config import group_options
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: error: --device cuda: torch sees no CUDA device here")
+    small = device == "cpu"
+    algos = tuple(args.algos.split(",")) if args.algos else CPU_ALGOS if small else tuple(group_options("algo"))
+    return Setup(device, small, work, start + args.budget_s, algos)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.monotonic()
+    from harness import quiet
+
+    quiet()
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="flx-gpu-check-") as work:
+        s = setup(args, Path(work), start)
+        env = environment(s.device)
+        progress(
+            f"device {s.device} ({env['gpu'] or platform.processor() or 'cpu'}), sections {','.join(args.sections)}"
+        )
+        for name in args.sections:
+            progress(f"section {name}: {RUNNERS[name].__doc__.splitlines()[0]}")
+            rows += RUNNERS[name](s)
+            write(args.out, env, rows)
+    print(f"\n{table(rows)}\n\n{len(rows)} rows in {time.monotonic() - start:.0f} s; written to {args.out}", flush=True)
+    failed = [r for r in rows if r.status == "FAILED"]
+    if failed:
+        print(f"gpu_check: {len(failed)} check(s) FAILED: {', '.join(r.check for r in failed)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
