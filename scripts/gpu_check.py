@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,20 +160,18 @@ def _one_algo(s: Setup, algo: str) -> Row:
     gap, key, ok = metric_gap(ref, got)
     return Row(
         "a", f"algo={algo}: {s.device} vs cpu, 2 rounds", "passed" if ok else "FAILED",
-        value=f"max diff {gap:.2e} ({key})", limit=f"<= {METRIC_TOL:g} x max(1, |cpu|)",
+        value=f"max diff {gap:.2e} ({key})", limit=f"<= {METRIC_TOL:g} x max(1, abs(cpu))",
         detail={"cpu": ref, s.device: got},
     )  # fmt: skip
 
 
-def section_a(s: Setup) -> list[Row]:
+def section_a(s: Setup) -> Iterator[Row]:
     """Every ``algo=`` config on the device and on the CPU: the same final test metrics."""
-    rows = []
     for algo in s.algos:
         if time.monotonic() > s.deadline:
-            rows.append(Row("a", f"algo={algo}", "skipped: the time budget (--budget-s) ran out"))
-            continue
-        rows.append(timed_row("a", f"algo={algo}", lambda algo=algo: _one_algo(s, algo)))
-    return rows
+            yield Row("a", f"algo={algo}", "skipped: the time budget (--budget-s) ran out")
+        else:
+            yield timed_row("a", f"algo={algo}", lambda algo=algo: _one_algo(s, algo))
 
 
 def finite_model(ckpt: Path) -> bool:
@@ -286,7 +284,8 @@ def _ranks(s: Setup, name: str, run: Callable[[Path], None]) -> Row:
     diff, same = model_diff(state(one), state(two))
     return Row(
         "c", f"2 processes ({name}) vs 1 on {s.device}, 3 rounds", "passed" if diff <= MODEL_TOL else "FAILED",
-        value=f"max |param diff| {diff:.2e}{' (bitwise)' if same else ''}", limit=f"<= {MODEL_TOL:g}",
+        value=f"max abs param diff {diff:.2e}{' (bitwise)' if same else ''}", limit=f"<= {MODEL_TOL:g}",
+        detail={"max_abs_diff": diff, "bitwise": same},
     )  # fmt: skip
 
 
@@ -323,7 +322,7 @@ def _resume(s: Setup) -> Row:
     diff, same = model_diff(state(full), state(out))
     return Row(
         "d", f"kill -9 in round 5, resume (deterministic) on {s.device}", "passed" if same else "FAILED",
-        value=f"resumed from round {at}; {'bitwise equal' if same else f'max |param diff| {diff:.2e}'}",
+        value=f"resumed from round {at}; {'bitwise equal' if same else f'max abs param diff {diff:.2e}'}",
         limit="bitwise equal",
     )  # fmt: skip
 
@@ -341,7 +340,7 @@ def section_e(s: Setup) -> list[Row]:
     return gpu_check_speed.speed_rows(s.device, s.small, timed_row)
 
 
-RUNNERS: dict[str, Callable[[Setup], list[Row]]] = {
+RUNNERS: dict[str, Callable[[Setup], Iterable[Row]]] = {
     "a": section_a,
     "b": section_b,
     "c": section_c,
@@ -354,7 +353,8 @@ def table(rows: Sequence[Row]) -> str:
     """The rows as a markdown table (read as plain text too), in section order whatever order they ran in."""
     rows = sorted(rows, key=lambda r: r.section)
     head = "| | check | status | value | limit / target | s |\n| --- | --- | --- | --- | --- | --- |"
-    body = [f"| {r.section} | {r.check} | {r.status} | {r.value} | {r.limit} | {r.seconds:.0f} |" for r in rows]
+    cells = [(r.section, r.check, r.status, r.value, r.limit, f"{r.seconds:.0f}") for r in rows]
+    body = ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     return "\n".join([head, *body])
 
 
@@ -436,8 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for name in args.sections:
             progress(f"section {name}: {RUNNERS[name].__doc__.splitlines()[0]}")
-            rows += RUNNERS[name](s)
-            write(args.out, env, rows)
+            for row in RUNNERS[name](s):  # written row by row: a run stopped by a time limit keeps its rows
+                rows.append(row)
+                write(args.out, env, rows)
     print(f"\n{table(rows)}\n\n{len(rows)} rows in {time.monotonic() - start:.0f} s; written to {args.out}", flush=True)
     failed = [r for r in rows if r.status == "FAILED"]
     if failed:

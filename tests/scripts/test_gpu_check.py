@@ -51,7 +51,7 @@ def test_cpu_analogue_passes_every_check(cpu_run: tuple[subprocess.CompletedProc
     assert _row(rows, "b", "trainer.precision=bf16-mixed")["status"] == "passed"
     assert _row(rows, "b", "trainer.precision=16-mixed")["status"].startswith("skipped: Lightning has no fp16")
     gloo = _row(rows, "c", "2 processes (gloo)")
-    assert gloo["status"] == "passed" and float(gloo["value"].split()[3]) <= gpu_check.MODEL_TOL, gloo
+    assert gloo["status"] == "passed" and gloo["detail"]["max_abs_diff"] <= gpu_check.MODEL_TOL, gloo
     assert _row(rows, "c", "2 processes (nccl)")["status"] == "skipped: no CUDA (NCCL runs on GPUs only)"
     resume = _row(rows, "d", "kill -9 in round 5")
     assert resume["status"] == "passed" and resume["value"] == "resumed from round 4; bitwise equal"
@@ -82,6 +82,13 @@ def test_a_bad_argument_stops_with_one_line(
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(line), err
     assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]
+
+
+def test_table_cells_keep_their_columns() -> None:
+    """A ``|`` in a cell (an error message) is escaped: every line of the markdown table has the header's columns."""
+    rows = [gpu_check.Row("a", "algo=x", "FAILED", value="ValueError: a | b"), gpu_check.Row("b", "y", "passed")]
+    lines = gpu_check.table(rows).splitlines()
+    assert [line.replace("\\|", "").count("|") for line in lines] == [7] * 4 and "a \\| b" in lines[2]
 
 
 def test_metric_gap_holds_the_documented_tolerance() -> None:
