@@ -3,8 +3,8 @@
 Sections (``--sections``, default all; each is one function returning table rows):
 
 * ``a``: every ``algo=`` config (``configs/algo/*.yaml``, as ``tests/test_algo_defaults.py`` runs them), 2 rounds on
-  the bundled data, in this process, on the device and on the CPU: the final test metrics agree within
-  :data:`METRIC_TOL` (float32 on both sides: TF32 is switched off for this section).
+  the bundled data, on the device (in this process) and on the CPU (in a pool of worker processes, meanwhile): the
+  final test metrics agree within :data:`METRIC_TOL` (float32 on both sides: TF32 is switched off for this section).
 * ``b``: ``trainer.precision=bf16-mixed`` and ``16-mixed``: the run ends with finite metrics and a finite model.
 * ``c``: 2 processes on one device (gloo; each process started as one node of a 2-node job, so both share the one
   GPU) against 1 process: the same global model within :data:`MODEL_TOL`; NCCL with 2 processes where 2+ GPUs exist.
@@ -29,6 +29,7 @@ import contextlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import platform
 import signal
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,30 +150,49 @@ def metric_gap(ref: dict[str, float], got: dict[str, float]) -> tuple[float, str
     return gaps[worst], worst, ok
 
 
-def _threads() -> list[str]:
-    return [f"num_threads={min(8, os.cpu_count() or 1)}"]
+def _pool_size() -> tuple[int, int]:
+    """(worker processes, torch threads each) for the CPU references of (a): a quarter of the cores as workers (at
+    most 4, at least 1), half of the cores shared among them; the other half is left to the device runs."""
+    cpus = os.cpu_count() or 1
+    workers = max(1, min(4, cpus // 4))
+    return workers, max(1, cpus // (2 * workers))
 
 
-def _one_algo(s: Setup, algo: str) -> Row:
-    base = [f"algo={algo}", "algo.rounds=2"]
-    ref = train_here(s.work / f"a-{algo}-cpu", [*base, "trainer.accelerator=cpu", *_threads()])
+def cpu_reference(algo: str, out: str, threads: int) -> dict[str, float]:
+    """The CPU run of one config of (a), in a worker process (the device runs go on meanwhile in the main one)."""
+    from harness import quiet
+
+    quiet()
+    overrides = [f"algo={algo}", "algo.rounds=2", "trainer.accelerator=cpu", f"num_threads={threads}"]
+    return train_here(Path(out), overrides)
+
+
+def _one_algo(s: Setup, algo: str, ref: Future, threads: int) -> Row:
+    on_cpu = [f"num_threads={threads}"] if s.device == "cpu" else []  # the CPU analogue: the reference's settings
+    overrides = [f"algo={algo}", "algo.rounds=2", *on_cpu, f"trainer.accelerator={s.device}"]
     with no_tf32():
-        got = train_here(s.work / f"a-{algo}-{s.device}", [*base, f"trainer.accelerator={s.device}"])
-    gap, key, ok = metric_gap(ref, got)
+        got = train_here(s.work / f"a-{algo}-{s.device}", overrides)
+    cpu = ref.result(timeout=max(1.0, s.deadline + 120 - time.monotonic()))
+    gap, key, ok = metric_gap(cpu, got)
     return Row(
         "a", f"algo={algo}: {s.device} vs cpu, 2 rounds", "passed" if ok else "FAILED",
         value=f"max diff {gap:.2e} ({key})", limit=f"<= {METRIC_TOL:g} x max(1, abs(cpu))",
-        detail={"cpu": ref, s.device: got},
+        detail={"cpu": cpu, s.device: got},
     )  # fmt: skip
 
 
 def section_a(s: Setup) -> Iterator[Row]:
     """Every ``algo=`` config on the device and on the CPU: the same final test metrics."""
-    for algo in s.algos:
-        if time.monotonic() > s.deadline:
-            yield Row("a", f"algo={algo}", "skipped: the time budget (--budget-s) ran out")
-        else:
-            yield timed_row("a", f"algo={algo}", lambda algo=algo: _one_algo(s, algo))
+    workers, threads = _pool_size()
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
+        refs = {a: pool.submit(cpu_reference, a, str(s.work / f"a-{a}-cpu"), threads) for a in s.algos}
+        for algo in s.algos:
+            if time.monotonic() > s.deadline:
+                refs[algo].cancel()
+                yield Row("a", f"algo={algo}", "skipped: the time budget (--budget-s) ran out")
+            else:
+                yield timed_row("a", f"algo={algo}", lambda algo=algo: _one_algo(s, algo, refs[algo], threads))
+        pool.shutdown(cancel_futures=True)
 
 
 def finite_model(ckpt: Path) -> bool:
