@@ -185,7 +185,7 @@ def section_a(s: Setup) -> Iterator[Row]:
     """Every ``algo=`` config on the device and on the CPU: the same final test metrics."""
     workers, threads = _pool_size()
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA: no fork
-        refs = {a: pool.submit(cpu_reference, a, str(s.work / f"a-{a}-cpu"), threads) for a in s.algos}
+        refs = {a: pool.submit(cpu_reference, a, str(s.work / f"a-{a}-reference"), threads) for a in s.algos}
         for algo in s.algos:
             if time.monotonic() > s.deadline:
                 refs[algo].cancel()
