@@ -1,14 +1,14 @@
 """``make gpu-check``: the GPU path of flx verified in one run, printed as one table (docs/gpu.md).
 
-Sections (``--sections``, default all; each is one function returning table rows):
+Sections (``--sections``, default all, run in the order given; each is one function returning table rows):
 
 * ``a``: every ``algo=`` config (``configs/algo/*.yaml``, as ``tests/test_algo_defaults.py`` runs them), 2 rounds on
   the bundled data, on the device (in this process) and on the CPU (in a pool of worker processes, meanwhile): the
   final test metrics agree within :data:`METRIC_TOL` (float32 on both sides: TF32 is switched off for this section).
 * ``b``: ``trainer.precision=bf16-mixed`` and ``16-mixed``: the run ends with finite metrics and a finite model.
-* ``c``: 2 processes on one device (gloo; each process started as one node of a 2-node job, so both share the one
+* ``c`` (``gpu_check_procs.py``): 2 processes on one device (gloo; each process started as one node of a 2-node job, so both share the one
   GPU) against 1 process: the same global model within :data:`MODEL_TOL`; NCCL with 2 processes where 2+ GPUs exist.
-* ``d``: ``kill -9`` in the middle of a round and ``ckpt_path=auto`` with ``trainer.deterministic=true``: the final
+* ``d`` (``gpu_check_procs.py``): ``kill -9`` in the middle of a round and ``ckpt_path=auto`` with ``trainer.deterministic=true``: the final
   model is bitwise equal to the uninterrupted run's.
 * ``e``: speed (``gpu_check_speed.py``): ``make bench``'s workload a (small CNN, 50 of 1000 clients) and a ResNet-18
   on CIFAR-shaped data, flx (defaults) against the plain PyTorch loop on the same device, sequential and
@@ -17,7 +17,7 @@ Sections (``--sections``, default all; each is one function returning table rows
 Without CUDA (or with ``--device cpu``) it runs the CPU analogue: the same sections, smaller (a few configs, CPU
 against CPU in (a), no ``16-mixed``, gloo on the CPU, tiny speed workloads). A section that cannot run here says
 ``skipped: <reason>``. The table is also written as ``gpu_check.json`` and ``gpu_check.md`` under ``--out`` (after
-every section, so a run stopped by a time limit leaves what it had). Exit status 1 when a check failed.
+every row, so a run stopped by a time limit leaves what it had). Exit status 1 when a check failed.
 
 Usage: ``make gpu-check``, ``python scripts/gpu_check.py --sections a,d --out /tmp/gc``.
 """
