@@ -3,9 +3,9 @@
 One model instance, one ``torch.optim.SGD`` (no momentum), the global weights copied in per client, minibatches
 drawn by indexing the in-memory tensors with a shuffled permutation, the client models summed with weight
 ``n_i`` and averaged once per round. A net with buffers (BatchNorm) averages its float buffers (running statistics)
-with its parameters and restarts every client from the global integer buffers (batch counters), as flx does. The
-device is the net's: the data tensors and client indices are passed on it.
-Only where the randomness comes from can be swapped:
+with its parameters and restarts every client from the global integer buffers (batch counters), as flx does. It
+runs on the net's device (the caller passes the data tensors and client indices there). Only where the randomness
+comes from can be swapped:
 :class:`OwnRandomness` (one numpy and one torch generator, what the hand-written loop would use; timed) or
 :class:`FlxRandomness` (flx's ``(seed, round[, client])`` streams, so that the plain loop draws exactly the
 cohorts and minibatches of an flx run and the final models can be compared; untimed check).
@@ -108,10 +108,10 @@ def fedavg(net: nn.Module, x: Tensor, y: Tensor, clients: Sequence[Tensor], spec
         rand: cohorts and minibatch orders.
     """
     buffers = list(net.buffers())
-    averaged = [*net.parameters(), *(b for b in buffers if b.is_floating_point())]
+    # averaged: the parameters and float buffers (running statistics); kept at the global: integer buffers (counters)
+    params = [*net.parameters(), *(b for b in buffers if b.is_floating_point())]
     kept = [b for b in buffers if not b.is_floating_point()]
-    params, global_kept = averaged, [b.detach().clone() for b in kept]  # params: what is averaged
-    global_params = [p.detach().clone() for p in params]
+    global_params, global_kept = [p.detach().clone() for p in params], [b.detach().clone() for b in kept]
     sums = [torch.zeros_like(p) for p in params]
     opt = torch.optim.SGD(list(net.parameters()), lr=spec.lr)
     net.train()
