@@ -303,7 +303,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench_results" / "gpu_check", help="folder for the table")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when there is one")
     p.add_argument("--algos", default=None, help="comma-separated configs for (a) (default: all on CUDA, a few on CPU)")
-    p.add_argument("--budget-s", type=float, default=480, help="(a) skips its remaining configs after this many s")
+    p.add_argument("--budget-s", type=float, default=400, help="(a) skips its remaining configs after this many s")
     args = p.parse_args(argv)
     args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
