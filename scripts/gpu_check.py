@@ -188,6 +188,9 @@ def _one_algo(s: Setup, algo: str, ref: futures.Future, threads: int) -> Row:
 
 def section_a(s: Setup) -> Iterator[Row]:
     """Every ``algo=`` config on the device and on the CPU: the same final test metrics."""
+    if time.monotonic() > s.deadline:  # no worker is started for nothing
+        yield from (Row("a", f"algo={algo}", "skipped: the time budget (--budget-s) ran out") for algo in s.algos)
+        return
     workers, threads = _pool_size()
     pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))  # CUDA: no fork
     try:

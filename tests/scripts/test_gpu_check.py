@@ -84,6 +84,16 @@ def test_a_bad_argument_stops_with_one_line(
     assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]
 
 
+def test_a_spent_budget_skips_the_configs_of_a(tmp_path: Path) -> None:
+    """Past ``--budget-s``, section (a) runs no config: each row says ``skipped: the time budget ...`` (never
+    passed), the table is written and the exit status is 0 (nothing failed)."""
+    assert gpu_check.main(["--sections", "a", "--device", "cpu", "--budget-s", "1e-9", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [(r["check"], r["status"]) for r in rows] == [
+        (f"algo={algo}", "skipped: the time budget (--budget-s) ran out") for algo in gpu_check.CPU_ALGOS
+    ]
+
+
 def test_table_cells_keep_their_columns() -> None:
     """A ``|`` in a cell (an error message) is escaped: every line of the markdown table has the header's columns."""
     rows = [gpu_check.Row("a", "algo=x", "FAILED", value="ValueError: a | b"), gpu_check.Row("b", "y", "passed")]
