@@ -2,7 +2,10 @@
 
 One model instance, one ``torch.optim.SGD`` (no momentum), the global weights copied in per client, minibatches
 drawn by indexing the in-memory tensors with a shuffled permutation, the client models summed with weight
-``n_i`` and averaged once per round. Only where the randomness comes from can be swapped:
+``n_i`` and averaged once per round. A net with buffers (BatchNorm) averages its float buffers (running statistics)
+with its parameters and restarts every client from the global integer buffers (batch counters), as flx does. It
+runs on the net's device (the caller passes the data tensors and client indices there). Only where the randomness
+comes from can be swapped:
 :class:`OwnRandomness` (one numpy and one torch generator, what the hand-written loop would use; timed) or
 :class:`FlxRandomness` (flx's ``(seed, round[, client])`` streams, so that the plain loop draws exactly the
 cohorts and minibatches of an flx run and the final models can be compared; untimed check).
@@ -97,19 +100,20 @@ def fedavg(net: nn.Module, x: Tensor, y: Tensor, clients: Sequence[Tensor], spec
     """Runs ``spec.rounds`` FedAvg rounds; ``net`` ends holding the final global model.
 
     Args:
-        net: the model, holding the initial global weights (it must have no buffers).
+        net: the model, holding the initial global weights.
         x: all training inputs (on the model's device).
         y: all training labels.
         clients: each client's row indices into ``x`` / ``y``.
         spec: the hyper-parameters.
         rand: cohorts and minibatch orders.
     """
-    if list(net.buffers()):
-        raise ValueError("the plain loop averages parameters only; this model has buffers")
-    params = list(net.parameters())
-    global_params = [p.detach().clone() for p in params]
+    buffers = list(net.buffers())
+    # averaged: the parameters and float buffers (running statistics); kept at the global: integer buffers (counters)
+    params = [*net.parameters(), *(b for b in buffers if b.is_floating_point())]
+    kept = [b for b in buffers if not b.is_floating_point()]
+    global_params, global_kept = [p.detach().clone() for p in params], [b.detach().clone() for b in kept]
     sums = [torch.zeros_like(p) for p in params]
-    opt = torch.optim.SGD(params, lr=spec.lr)
+    opt = torch.optim.SGD(list(net.parameters()), lr=spec.lr)
     net.train()
     for r in range(spec.rounds):
         total = 0
@@ -118,7 +122,7 @@ def fedavg(net: nn.Module, x: Tensor, y: Tensor, clients: Sequence[Tensor], spec
         for cid in rand.cohort(r, len(clients), spec.clients_per_round):
             idx = clients[cid]
             with torch.no_grad():
-                for p, g in zip(params, global_params):
+                for p, g in zip([*params, *kept], [*global_params, *global_kept]):
                     p.copy_(g)
             for batch in rand.batches(r, cid, idx, spec.batch_size, spec.steps(len(idx))):
                 opt.zero_grad(set_to_none=True)
@@ -132,5 +136,5 @@ def fedavg(net: nn.Module, x: Tensor, y: Tensor, clients: Sequence[Tensor], spec
         for g, s in zip(global_params, sums):
             torch.div(s, total, out=g)
     with torch.no_grad():
-        for p, g in zip(params, global_params):
+        for p, g in zip([*params, *kept], [*global_params, *global_kept]):
             p.copy_(g)
