@@ -161,7 +161,8 @@ def test_what_can_be_vectorised_passes_the_check() -> None:
 
 def test_the_loss_function_sees_one_client() -> None:
     """The task's loss gets one client's ``(B, C)`` outputs and ``(B,)`` targets, padding left out: a batch-mean
-    loss is the client's mean, not the cohort's (its values: the equality tests; here its shapes)."""
+    loss is the client's mean, not the cohort's (its values: the equality tests; here its shapes). It runs ``vmap``-ed
+    over the clients of each batch size, so the Python function is entered once per size, smallest first."""
     seen: list[tuple] = []
 
     def loss(out, y):
@@ -173,7 +174,8 @@ def test_the_loss_function_sees_one_client() -> None:
     # diverge_factor=None: the divergence rule's one evaluation of the initial model (all 23 rows) is not training
     fed = make_fed(_mlp(), data, loss_fn=loss, diverge_factor=None, **kw)
     run_rounds(fed, 1)
-    assert seen == [((5, 3), (5,)), ((3, 3), (3,)), ((5, 3), (5,))]  # one stack: client 1's 3 rows padded to 5
+    # one stack (client 1's 3 rows padded to 5 in the forward); its loss: client 1 alone, then clients 0 and 2
+    assert seen == [((3, 3), (3,)), ((5, 3), (5,))]
 
 
 def test_which_nets_fold_the_cohort_into_the_batch() -> None:
