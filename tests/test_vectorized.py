@@ -18,6 +18,7 @@ from flx import vectorized
 from flx.callbacks.lambda_sampling import LambdaSampling
 from flx.callbacks.prox import Prox
 from flx.hooks import FederatedCallback
+from flx.tasks import Classification
 
 SIZES = [7, 12, 30, 4, 19, 25, 1, 40, 9, 16]  # B = 5: below B, short last batches, full batches only
 
@@ -76,6 +77,14 @@ def _assert_same(seq, vec) -> None:
 def test_fedavg_equals_the_sequential_path(cfg: dict, net: str) -> None:
     assert vectorized.foldable(NETS[net]()) == (net == "folded")
     _assert_same(*_pair(net=net, **cfg))
+
+
+@pytest.mark.parametrize("net", list(NETS))
+@pytest.mark.parametrize("cfg", [{}, {"local_epochs": 2}], ids=["steps", "epochs"])
+def test_the_tasks_per_row_loss_scores_the_stack_alike(cfg: dict, net: str) -> None:
+    """A task with ``loss_rows`` (classification) scores the whole padded stack in one call, each client's mean over
+    its own rows: the same models and training loss as the sequential path, which calls ``loss`` per batch."""
+    _assert_same(*_pair(net=net, loss_fn=Classification().loss, **cfg))
 
 
 @pytest.mark.parametrize("net", list(NETS))
