@@ -1,6 +1,7 @@
 """Shared test setup: one CPU thread (2-core machines run small models faster without oversubscription); W&B offline,
-quiet and without its system-metrics sampler (a process probing the machine for each run), unless a test says
-otherwise; the default run shared by the crash-safety and SLURM tests."""
+quiet and without its system-metrics sampler (a process probing the machine for each run), and a round checkpoint at
+every due round (FLX_CHECKPOINT_MIN_SECONDS=0), unless a test says otherwise; the default run shared by the
+crash-safety and SLURM tests."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ for _key, _value in {
     "WANDB_SILENT": "true",
     "WANDB_X_DISABLE_STATS": "true",
     "WANDB_X_DISABLE_MACHINE_INFO": "true",
+    # every due round checkpointed (checkpoint.min_seconds=0): the suite's runs take ~30 ms a round and its checkpoint
+    # and resume tests name the rounds whose files they expect; tests of the default floor unset it
+    "FLX_CHECKPOINT_MIN_SECONDS": "0",
 }.items():
     os.environ.setdefault(_key, _value)
 

@@ -18,6 +18,7 @@ from flx import vectorized
 from flx.callbacks.lambda_sampling import LambdaSampling
 from flx.callbacks.prox import Prox
 from flx.hooks import FederatedCallback
+from flx.tasks import Classification
 
 SIZES = [7, 12, 30, 4, 19, 25, 1, 40, 9, 16]  # B = 5: below B, short last batches, full batches only
 
@@ -76,6 +77,14 @@ def _assert_same(seq, vec) -> None:
 def test_fedavg_equals_the_sequential_path(cfg: dict, net: str) -> None:
     assert vectorized.foldable(NETS[net]()) == (net == "folded")
     _assert_same(*_pair(net=net, **cfg))
+
+
+@pytest.mark.parametrize("net", list(NETS))
+@pytest.mark.parametrize("cfg", [{}, {"local_epochs": 2}], ids=["steps", "epochs"])
+def test_the_tasks_per_row_loss_scores_the_stack_alike(cfg: dict, net: str) -> None:
+    """A task with ``loss_rows`` (classification) scores the whole padded stack in one call, each client's mean over
+    its own rows: the same models and training loss as the sequential path, which calls ``loss`` per batch."""
+    _assert_same(*_pair(net=net, loss_fn=Classification().loss, **cfg))
 
 
 @pytest.mark.parametrize("net", list(NETS))
@@ -161,7 +170,8 @@ def test_what_can_be_vectorised_passes_the_check() -> None:
 
 def test_the_loss_function_sees_one_client() -> None:
     """The task's loss gets one client's ``(B, C)`` outputs and ``(B,)`` targets, padding left out: a batch-mean
-    loss is the client's mean, not the cohort's (its values: the equality tests; here its shapes)."""
+    loss is the client's mean, not the cohort's (its values: the equality tests; here its shapes). It runs ``vmap``-ed
+    over the clients of each batch size, so the Python function is entered once per size, smallest first."""
     seen: list[tuple] = []
 
     def loss(out, y):
@@ -173,7 +183,8 @@ def test_the_loss_function_sees_one_client() -> None:
     # diverge_factor=None: the divergence rule's one evaluation of the initial model (all 23 rows) is not training
     fed = make_fed(_mlp(), data, loss_fn=loss, diverge_factor=None, **kw)
     run_rounds(fed, 1)
-    assert seen == [((5, 3), (5,)), ((3, 3), (3,)), ((5, 3), (5,))]  # one stack: client 1's 3 rows padded to 5
+    # one stack (client 1's 3 rows padded to 5 in the forward); its loss: client 1 alone, then clients 0 and 2
+    assert seen == [((3, 3), (3,)), ((5, 3), (5,))]
 
 
 def test_which_nets_fold_the_cohort_into_the_batch() -> None:

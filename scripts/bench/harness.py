@@ -3,8 +3,9 @@
 Both sides get the same data tensors (the flx datamodule's store and client index views), the same model
 class and initial weights, the same hyper-parameters (read from the one composed config) and the same torch
 thread settings. Every run counts its local steps as the training forwards of its net (a forward pre-hook on the
-net: the same tiny cost on both sides; neither side evaluates), so the script can assert that both sides did the same
-number of local steps. (Not ``torch.optim`` step hooks: flx's plain-SGD step does not go through ``torch.optim``.)
+net: the same tiny cost on both sides; flx's evaluation forwards, e.g. the divergence rule's loss of the initial model,
+run in eval mode and are not counted), so the script can assert that both sides did the same number of local
+steps. (Not ``torch.optim`` step hooks: flx's plain-SGD step does not go through ``torch.optim``.)
 """
 
 from __future__ import annotations
@@ -119,11 +120,12 @@ def spec(cfg: DictConfig) -> FedAvgSpec:
 
 @contextmanager
 def count_steps(net: nn.Module) -> Iterator[list[int]]:
-    """Counts the calls of ``net`` (its forwards) inside the block: one per local step of either side."""
+    """Counts the training-mode calls of ``net`` (its forwards) inside the block: one per local step of either side
+    (flx's evaluation forwards, e.g. the divergence rule's loss of the initial model, run in eval mode)."""
     counter = [0]
 
     def hook(module: nn.Module, args: object) -> None:
-        counter[0] += 1
+        counter[0] += module.training
 
     handle = net.register_forward_pre_hook(hook)
     try:

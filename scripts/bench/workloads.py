@@ -10,7 +10,7 @@ class Workload:
     """One FedAvg setting, run by flx and by the plain loop.
 
     Attributes:
-        key: short name (``a``, ``b``).
+        key: short name (``a``, ``b``, ``c``).
         title: what it is, for the table.
         overrides: flx command-line overrides (data, model, partition, algo) without the round count.
         rounds: rounds per measurement (a few seconds each).
@@ -68,5 +68,25 @@ WORKLOADS: dict[str, Workload] = {
         repeats=5,
         check_rounds=20,
         target=1.3,
+    ),
+    # the overhead-bound setting of the peers' comparison (pfl-research's and flx's defaults against the plain loop):
+    # rounds of ~20 ms, where what flx does around the clients (logging, progress, checkpoints) shows most
+    "c": Workload(
+        key="c",
+        title="logreg digits, 100 clients, 20/round, B=10, 5 steps",
+        overrides=(
+            "data=digits",
+            "model=logreg",
+            "partition=iid",
+            "partition.num_clients=100",
+            "algo.clients_per_round=20",
+            "algo.batch_size=10",
+            "algo.local_steps=5",
+        ),
+        rounds=100,
+        quick_rounds=20,
+        repeats=5,
+        check_rounds=20,
+        target=1.15,
     ),
 }

@@ -435,7 +435,13 @@ def _check_ckpt(cfg: DictConfig) -> None:
 
 
 def check_checkpoint(
-    every_rounds: Any, every_seconds: Any, keep_last: Any, mode: Any, requeue: Any, requeue_signal: Any
+    every_rounds: Any,
+    every_seconds: Any,
+    keep_last: Any,
+    mode: Any,
+    requeue: Any,
+    requeue_signal: Any,
+    min_seconds: Any = None,
 ) -> None:
     """The ``checkpoint.*`` values (:class:`flx.callbacks.checkpoint.RoundCheckpoint`); one line per bad value."""
     import signal
@@ -446,6 +452,9 @@ def check_checkpoint(
     ok = isinstance(every_seconds, (int, float)) and not isinstance(every_seconds, bool) and every_seconds > 0
     if every_seconds is not None and not ok:
         raise bad_value("checkpoint.every_seconds", every_seconds, "must be a number > 0 or null")
+    ok = isinstance(min_seconds, (int, float)) and not isinstance(min_seconds, bool) and 0 <= min_seconds < math.inf
+    if min_seconds is not None and not ok:
+        raise bad_value("checkpoint.min_seconds", min_seconds, "must be a number >= 0 or null (0: every due round)")
     if mode not in ("max", "min"):
         raise bad_value("checkpoint.mode", mode, "allowed: max, min")
     if str(requeue).lower() not in ("auto", "true", "false"):
@@ -480,8 +489,8 @@ def _check_run(cfg: DictConfig) -> None:
         raise bad_value("algo.single_row_batch", single, f"allowed: {', '.join(SINGLE_ROW_BATCH)}")
     ck = cfg.get("checkpoint")
     if ck is not None:
-        keys = ("every_rounds", "every_seconds", "keep_last", "mode", "requeue", "requeue_signal")
-        defaults = (1, None, 2, "max", "auto", "SIGUSR1")
+        keys = ("every_rounds", "every_seconds", "keep_last", "mode", "requeue", "requeue_signal", "min_seconds")
+        defaults = (1, None, 2, "max", "auto", "SIGUSR1", None)
         check_checkpoint(*(ck.get(k, d) for k, d in zip(keys, defaults)))
     if cfg.get("test_on", "final") not in ("final", "best"):
         raise bad_value("test_on", cfg.test_on, "allowed: final, best")

@@ -5,6 +5,8 @@ and handed to :class:`~flx.models.module.FederatedModule`. It gives
 
 - ``loss(outputs, target)``: the batch-mean loss. The federation's local steps minimise it (``loss_fn``, also
   ``Federation.eval_loss``) and evaluation logs its mean over a split's rows as ``{split}/loss``;
+- optionally ``loss_rows(outputs, target)``: each row's loss, whose mean is ``loss`` (``Classification``): vectorised
+  clients (``algo.vectorize``) then score the whole stack in one call;
 - ``targets`` and ``target_dtype``: class labels (int64) or real values (float32 in the store, cast once to the
   net's dtype: :class:`~flx.datamodules.datamodule.ClientStore`);
 - ``num_outputs(data, binary_head)``: the net's output columns;
@@ -262,6 +264,13 @@ class Classification(Task):
 
     def loss(self, outputs: Tensor, target: Tensor) -> Tensor:
         return heads.classification_loss(outputs, target)
+
+    def loss_rows(self, outputs: Tensor, target: Tensor) -> Tensor:
+        """Each row's loss, ``(B,)``: :meth:`loss` is their mean (``algo.vectorize`` scores a stack of clients in one
+        call with it, :mod:`flx.vectorized`)."""
+        if outputs.shape[-1] == 1:
+            return F.binary_cross_entropy_with_logits(outputs[:, 0], target.to(outputs.dtype), reduction="none")
+        return F.cross_entropy(outputs, target, reduction="none")
 
     def client_metric(self, outputs: Tensor, target: Tensor) -> Tensor:
         return (heads.predict(outputs) == target).double().mean()

@@ -187,9 +187,7 @@ def _train_group(fed: Federation, clients: list[ClientContext]) -> tuple[list[Te
             cohort.step, cohort.sizes = k, [len(r) for r in own]
             rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
             out = forward(leaves, fed.data.x[rows], cohort.sizes)
-            loss = torch.stack(
-                [_client_loss(fed, c, r, out[i][: len(r)]) for i, (c, r) in enumerate(zip(clients, own))]
-            )
+            loss = _cohort_loss(fed, clients, own, rows, out)
             grads = torch.autograd.grad(loss.sum(), leaves)  # client i's loss depends on w_i only
             cohort.grads = [g.mT if f else g for g, f in zip(grads, flip)]  # views: hooks edit the leaves' grads
             for part in fed.parts_with("on_cohort_grad"):
@@ -219,6 +217,50 @@ def _rows(fed: Federation, client: ClientContext, k: int, stream: Iterator[Tenso
         if rows is not None:
             return rows
     return next(stream)  # the default stream advances only when used, as on the sequential path
+
+
+def _cohort_loss(fed: Federation, clients: list[ClientContext], own: list[Tensor], rows: Tensor, out: Tensor) -> Tensor:
+    """The clients' losses at this step, ``(m,)``, without ``local_loss`` parts in as few calls as the task allows:
+    with a task's per-row loss (``loss_rows``, e.g. cross-entropy), one call on the whole stack, each client's mean over
+    its own rows (padding left out); else the task's loss ``vmap``-ed over the clients of each batch size. Per client
+    the same kernels up to summation order. With ``local_loss`` parts, or a loss that ``vmap`` cannot batch
+    (data-dependent control flow), client by client (:func:`_client_loss`), which then raises what is really wrong."""
+    if not fed.parts_with("local_loss") and isinstance(out, Tensor):
+        sizes, y = [len(r) for r in own], fed.data.y[rows]
+        per_row = getattr(getattr(fed.loss_fn, "__self__", None), "loss_rows", None)
+        if per_row is not None:
+            return _row_means(per_row(out.flatten(0, 1), y.flatten(0, 1)).view(len(own), -1), sizes)
+        try:
+            return _losses_by_size(fed.loss_fn, out, y, sizes)
+        except RuntimeError:
+            pass
+    return torch.stack([_client_loss(fed, c, r, out[i][: len(r)]) for i, (c, r) in enumerate(zip(clients, own))])
+
+
+def _row_means(losses: Tensor, sizes: list[int]) -> Tensor:
+    """Each client's mean of its first ``sizes[i]`` row losses, ``(m,)``, from ``losses`` ``(m, B)``."""
+    if all(size == losses.shape[1] for size in sizes):
+        return losses.mean(1)
+    n = torch.tensor(sizes, device=losses.device)
+    mask = torch.arange(losses.shape[1], device=losses.device) < n[:, None]
+    return (losses * mask).sum(1) / n.to(losses.dtype)
+
+
+def _losses_by_size(loss_fn: Callable[[Tensor, Tensor], Tensor], out: Tensor, y: Tensor, sizes: list[int]) -> Tensor:
+    """``loss_fn(out[i, :sizes[i]], y[i, :sizes[i]])`` for every client ``i``, ``(m,)``: one ``vmap`` per size."""
+    batched = torch.func.vmap(loss_fn)
+    if len(set(sizes)) == 1:
+        return batched(out[:, : sizes[0]], y[:, : sizes[0]])
+    order: list[int] = []
+    parts: list[Tensor] = []
+    for size in sorted(set(sizes)):
+        members = [i for i, s in enumerate(sizes) if s == size]
+        idx = torch.tensor(members, device=out.device)
+        parts.append(batched(out[idx, :size], y[idx, :size]))
+        order += members
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return torch.cat(parts)[inverse.to(out.device)]
 
 
 def _client_loss(fed: Federation, client: ClientContext, rows: Tensor, outputs: Tensor) -> Tensor:

@@ -2,8 +2,13 @@
 
 At the end of a round (after the server step, validation and every part's epoch-end hook) the whole run state is
 written: the global model, Lightning's loop progress, every part's ``state_dict``, the server optimizer and the
-per-client state store (``checkpoint["flx"]``). A checkpoint is due every ``every_rounds`` rounds, when
-``every_seconds`` have passed since the last one, at the last round, and when a requeue was requested. Files are
+per-client state store (``checkpoint["flx"]``). A checkpoint is due every ``every_rounds`` rounds and when
+``every_seconds`` have passed since the last one, but not sooner than ``min_seconds`` after the last one (or after the
+start of training): when rounds are short, a round's due checkpoint is skipped until that much wall time has passed,
+so checkpoints cost at most one write every ``min_seconds``. A kill then redoes at most the rounds of ``min_seconds``
+plus the round that ended the wait and the round in progress, to the same final model (resume is exact from any round
+file). The floor never delays the checkpoint of the last round, of a round after which the run stops
+(``trainer.should_stop``: early stopping, a signal) or of a requeue. Files are
 ``round_NNNNN.ckpt`` (the state after NNNNN rounds), written atomically (:mod:`flx.checkpoint_io`); ``last.ckpt`` is
 a hard link to the newest, so a run killed at any instant resumes from ``checkpoints/last.ckpt``. Only the newest
 ``keep_last`` round files are kept. With client state on disk (``state_store.backend=disk``) a checkpoint holds a
@@ -98,6 +103,8 @@ class RoundCheckpoint(Checkpoint):
         dirpath: folder of the checkpoint files.
         every_rounds: a checkpoint every that many rounds (None: only by time).
         every_seconds: also a checkpoint at the first round end this many seconds after the last one (None: off).
+        min_seconds: the least wall time between two checkpoints that ``every_rounds`` or ``every_seconds`` make due
+            (0 or None: every due round is written); the last round, a stop and a requeue are always written.
         keep_last: how many ``round_*.ckpt`` files to keep (None: all).
         monitor: metric that selects ``best.ckpt`` (None: no best copy).
         mode: ``max`` or ``min``: which values of ``monitor`` are better.
@@ -112,6 +119,7 @@ class RoundCheckpoint(Checkpoint):
         dirpath: str,
         every_rounds: int | None = 1,
         every_seconds: float | None = None,
+        min_seconds: float | None = None,
         keep_last: int | None = 2,
         monitor: str | None = None,
         mode: str = "max",
@@ -119,8 +127,9 @@ class RoundCheckpoint(Checkpoint):
         requeue_signal: str = "SIGUSR1",
         background: bool = True,
     ) -> None:
-        check_checkpoint(every_rounds, every_seconds, keep_last, mode, requeue, requeue_signal)
+        check_checkpoint(every_rounds, every_seconds, keep_last, mode, requeue, requeue_signal, min_seconds)
         self.dirpath, self.every_rounds, self.every_seconds = str(dirpath), every_rounds, every_seconds
+        self.min_seconds = float(min_seconds or 0)
         self.keep_last, self.monitor, self.mode = keep_last, monitor, mode
         self.requeue = slurm_job_id() is not None if str(requeue).lower() == "auto" else str(requeue).lower() == "true"
         self.requeue_signal = getattr(signal, str(requeue_signal))
@@ -162,6 +171,7 @@ class RoundCheckpoint(Checkpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_time = time.monotonic()  # the clocks of every_seconds and min_seconds start with the rounds
         signum = _signal(trainer)  # before the first round: nothing to save; requeue at once
         if signum and signals.requeues(signum, self.requeue, self.requeue_signal):
             self._requeue(trainer)
@@ -177,9 +187,8 @@ class RoundCheckpoint(Checkpoint):
             return
         rounds = trainer.current_epoch + 1
         signum = _signal(trainer)  # the run stops after this round (flx.signals): save it, due or not
-        due = (self.every_rounds is not None and rounds % self.every_rounds == 0) or rounds == trainer.max_epochs
         best = self.monitor is not None and self._validated_epoch == trainer.current_epoch and self._improved(trainer)
-        if due or signum or self._time_due(trainer):
+        if signum or self._due(trainer, rounds):
             self._save_round(trainer, rounds)
             if best and trainer.is_global_zero:
                 _after_write(trainer, atomic_link, self.last_model_path, self.best_model_path)
@@ -195,10 +204,23 @@ class RoundCheckpoint(Checkpoint):
         """Rank 0's decision on every rank (a save is collective: all ranks must take the same branch)."""
         return bool(trainer.strategy.broadcast(flag, src=0)) if trainer.world_size > 1 else flag
 
-    def _time_due(self, trainer: pl.Trainer) -> bool:
-        if self.every_seconds is None:
+    def _due(self, trainer: pl.Trainer, rounds: int) -> bool:
+        """Whether round ``rounds`` gets a checkpoint (the module docstring's rule). The clock is rank 0's: its
+        verdict is broadcast (one small collective) in the rounds where the clock decides."""
+        if rounds == trainer.max_epochs or trainer.should_stop:
+            return True
+        scheduled = self.every_rounds is not None and rounds % self.every_rounds == 0
+        if not scheduled and self.every_seconds is None:
             return False
-        return self._agree(trainer, time.monotonic() - self._last_time >= self.every_seconds)
+        if scheduled and not self.min_seconds:
+            return True
+        return self._agree(trainer, self.clock_due(time.monotonic() - self._last_time, scheduled))
+
+    def clock_due(self, elapsed: float, scheduled: bool) -> bool:
+        """Whether a round that ends ``elapsed`` seconds after the last checkpoint gets one (``scheduled``: due by
+        ``every_rounds``); a pure function of the settings, the rule of :meth:`_due` once the clock is read."""
+        timed = self.every_seconds is not None and elapsed >= self.every_seconds
+        return (scheduled or timed) and elapsed >= self.min_seconds
 
     def _save_round(self, trainer: pl.Trainer, rounds: int) -> None:
         path = os.path.join(self.dirpath, round_file(rounds))

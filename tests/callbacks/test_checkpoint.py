@@ -1,0 +1,110 @@
+"""The round checkpoint's schedule (:class:`flx.callbacks.checkpoint.RoundCheckpoint`): ``every_rounds``,
+``every_seconds`` and the wall-time floor ``min_seconds``, on a fake clock; and the shipped default on a real run.
+
+The rule: a round is written when ``every_rounds`` divides it, or ``every_seconds`` have passed since the last
+checkpoint, and at least ``min_seconds`` have passed since the last checkpoint (or since training started); the last
+round and a round after which the run stops are always written. With rounds of ``d`` seconds, ``every_rounds=1`` and
+``min_seconds = s``, the written rounds are every ``ceil(s / d)``-th, then the last.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+import flx.callbacks.checkpoint as checkpoint
+from flx.callbacks.checkpoint import RoundCheckpoint
+from flx.config import precheck
+from flx.run import train
+
+
+class FakeClock:
+    """``time.monotonic`` of the checkpoint module, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def written(
+    monkeypatch: pytest.MonkeyPatch, rounds: int, seconds: float, stop_after: int | None = None, **kw: object
+) -> list[int]:
+    """The rounds a :class:`RoundCheckpoint` writes over ``rounds`` rounds of ``seconds`` each (fake clock, one
+    process; the save itself is recorded, not performed)."""
+    clock = FakeClock()
+    monkeypatch.setattr(checkpoint.time, "monotonic", clock)
+    cb = RoundCheckpoint("unused", **kw)  # type: ignore[arg-type]
+    saved: list[int] = []
+    monkeypatch.setattr(cb, "_save_round", lambda trainer, r: saved.append(r) or setattr(cb, "_last_time", clock()))
+    trainer = SimpleNamespace(
+        fast_dev_run=False, sanity_checking=False, max_epochs=rounds, should_stop=False, world_size=1,
+        fit_loop=SimpleNamespace(signal=0), is_global_zero=True, current_epoch=0, lightning_module=None,
+    )  # fmt: skip
+    cb.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for epoch in range(rounds):
+        clock.now += seconds
+        trainer.current_epoch = epoch
+        trainer.should_stop = stop_after is not None and epoch + 1 >= stop_after
+        cb.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+        if trainer.should_stop:
+            break
+    return saved
+
+
+def test_floor_writes_every_ceil_s_over_d_th_round_and_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds of d = 1.5 s, min_seconds s = 5: every ceil(5 / 1.5) = 4th round (6 s after the last), then the last."""
+    k = math.ceil(5 / 1.5)
+    assert written(monkeypatch, 13, 1.5, min_seconds=5) == [*range(k, 13, k), 13]
+
+
+def test_floor_zero_or_long_rounds_write_every_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """min_seconds=0 (or null) is the plain every_rounds schedule; rounds longer than the floor are all written."""
+    assert written(monkeypatch, 6, 0.01, min_seconds=0) == [1, 2, 3, 4, 5, 6]
+    assert written(monkeypatch, 6, 0.01, min_seconds=None) == [1, 2, 3, 4, 5, 6]
+    assert written(monkeypatch, 6, 5.0, min_seconds=5) == [1, 2, 3, 4, 5, 6]
+
+
+def test_floor_defers_every_rounds_to_its_next_multiple(monkeypatch: pytest.MonkeyPatch) -> None:
+    """every_rounds=3 with rounds of 1.5 s, min_seconds=5: round 3 (4.5 s) is too soon, round 6 (9 s) is written;
+    round 9 is 4.5 s after it (skipped), round 12 (9 s) written; 13 is the last."""
+    assert written(monkeypatch, 13, 1.5, every_rounds=3, min_seconds=5) == [6, 12, 13]
+
+
+def test_every_seconds_below_the_floor_waits_for_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time-only checkpoints (every_rounds=null, every_seconds=4) under min_seconds=5: the first round end >= 5 s
+    after the last one, as with every_rounds=1."""
+    assert written(monkeypatch, 13, 1.5, every_rounds=None, every_seconds=4, min_seconds=5) == [4, 8, 12, 13]
+    assert written(monkeypatch, 13, 1.5, every_rounds=None, every_seconds=4) == [3, 6, 9, 12, 13]
+
+
+def test_a_stop_is_written_whatever_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round after which the run stops (early stopping sets trainer.should_stop) is written at once."""
+    assert written(monkeypatch, 13, 1.5, stop_after=3, min_seconds=5) == [3]
+
+
+def test_shipped_default_is_five_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """configs/train.yaml: min_seconds 5 unless FLX_CHECKPOINT_MIN_SECONDS says otherwise (the suite sets 0)."""
+    monkeypatch.delenv("FLX_CHECKPOINT_MIN_SECONDS", raising=False)
+    assert OmegaConf.to_container(precheck(["paths.output_dir=unused"]).checkpoint, resolve=True)["min_seconds"] == 5
+    monkeypatch.setenv("FLX_CHECKPOINT_MIN_SECONDS", "0.5")
+    assert precheck(["paths.output_dir=unused"]).checkpoint.min_seconds == 0.5
+
+
+@pytest.mark.slow
+def test_short_rounds_under_the_default_floor_write_the_last_round_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A 6-round run of ~10 ms rounds, well within the 5 s floor: round 6 alone is written (last.ckpt links it)."""
+    monkeypatch.delenv("FLX_CHECKPOINT_MIN_SECONDS", raising=False)
+    small = ["model=logreg", "partition.num_clients=6", "algo.clients_per_round=3", "algo.local_steps=3"]
+    quiet = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "logger=none"]
+    train(precheck([*small, *quiet, "algo.rounds=6", f"paths.output_dir={tmp_path}"]))
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "round_00006.ckpt"]
+    assert (folder / "last.ckpt").samefile(folder / "round_00006.ckpt")
