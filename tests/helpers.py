@@ -173,15 +173,17 @@ class PoisonFrom(FederatedCallback):
 
 
 class SleepPerRound(FederatedCallback):
-    """Test callback: sleeps ``seconds`` at every round start, so that an outside signal lands mid-run."""
+    """Test callback: sleeps ``seconds`` at every round start (of the rounds before ``until``, 0-based, when given), so
+    that an outside signal lands mid-run or a wall-time rule sees slow rounds."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, until: int | None = None) -> None:
+        self.seconds, self.until = seconds, until
 
     def on_round_start(self, fed: Federation, rnd: object) -> None:
         import time
 
-        time.sleep(self.seconds)
+        if self.until is None or rnd.round < self.until:
+            time.sleep(self.seconds)
 
 
 def process_start_time(pid: int | str = "self") -> float:

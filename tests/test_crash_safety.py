@@ -10,7 +10,9 @@
 * a full disk and a read-only output folder give one line and exit status 2, keeping what was written.
 
 All runs are subprocesses (marked slow). The uninterrupted default run (`default_run`, tests/conftest.py) is shared
-with the SLURM tests.
+with the SLURM tests. The suite writes a checkpoint at every round (``FLX_CHECKPOINT_MIN_SECONDS=0``, conftest.py) so
+that these tests can name the round each kill finds on disk; the shipped wall-time floor (``checkpoint.min_seconds``,
+5 s) has its own kill-and-resume test below, with nothing pinned.
 """
 
 from __future__ import annotations
@@ -71,6 +73,25 @@ def test_sigkill_mid_round_then_resume_equals_uninterrupted(default_run, tmp_pat
     assert (out / ".hydra" / "config.yaml").read_bytes() == config_before and (
         out / ".hydra" / "config.1.yaml"
     ).exists()
+
+
+def test_sigkill_under_the_shipped_wall_time_floor_resumes_equal(
+    default_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped defaults, the checkpoint floor unpinned (``checkpoint.min_seconds=5``): rounds 1 and 2 take 3 s
+    each, so round 1 ends ~3 s after training started (not written: under 5 s) and round 2 ~6 s (written); rounds 3
+    and 4 take milliseconds (not written: under 5 s after round 2's). Killed mid round 5, the resumed run redoes
+    rounds 3-5 from round 2's file and ends bitwise equal to the uninterrupted run."""
+    monkeypatch.delenv("FLX_CHECKPOINT_MIN_SECONDS", raising=False)
+    out = tmp_path / "run"
+    slow = ["+callbacks.slow._target_=helpers.SleepPerRound", "+callbacks.slow.seconds=3", "+callbacks.slow.until=2"]
+    killed = run(out, *KILL, *slow)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "round_00002.ckpt"]
+    assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 2
+    resumed = run(out, "ckpt_path=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_model(ckpt(default_run[0] / "checkpoints" / "last.ckpt"), ckpt(out / "checkpoints" / "last.ckpt"))
 
 
 def test_sigkill_while_a_checkpoint_is_in_flight_resumes_from_the_one_before(default_run, tmp_path: Path) -> None:
