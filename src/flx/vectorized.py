@@ -241,7 +241,7 @@ def _row_means(losses: Tensor, sizes: list[int]) -> Tensor:
     """Each client's mean of its first ``sizes[i]`` row losses, ``(m,)``, from ``losses`` ``(m, B)``."""
     if all(size == losses.shape[1] for size in sizes):
         return losses.mean(1)
-    n = torch.tensor(sizes, device=losses.device)
+    n = torch.tensor(sizes).to(losses.device, non_blocking=True)  # made on the host, copied (docs/loop.md#devices)
     mask = torch.arange(losses.shape[1], device=losses.device) < n[:, None]
     return (losses * mask).sum(1) / n.to(losses.dtype)
 
@@ -255,7 +255,7 @@ def _losses_by_size(loss_fn: Callable[[Tensor, Tensor], Tensor], out: Tensor, y:
     parts: list[Tensor] = []
     for size in sorted(set(sizes)):
         members = [i for i, s in enumerate(sizes) if s == size]
-        idx = torch.tensor(members, device=out.device)
+        idx = torch.tensor(members).to(out.device, non_blocking=True)
         parts.append(batched(out[idx, :size], y[idx, :size]))
         order += members
     inverse = torch.empty(len(order), dtype=torch.long)
