@@ -38,6 +38,8 @@ from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
+from flx.threads import resolve as resolve_threads
+from flx.threads import startup_line
 from flx.wandb_logging import WandbLogger, WandbRun, describe_run, finish, resume_runs
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
@@ -157,7 +159,7 @@ def build_datamodule(cfg: DictConfig, loaded: Any = None) -> FederatedDataModule
 
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
-    threads = threads_until_fork(cfg.get("num_threads"))
+    threads = threads_until_fork(resolve_threads(cfg.get("num_threads"), cfg.trainer))
     if threads:
         torch.set_num_threads(int(threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -281,6 +283,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     signals.stop_if_signalled(cfg.get("checkpoint"))  # a signal while the data loaded: stop before the first write
     save_config(cfg, dm)
     fork_ranks()  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
+    if process_rank() == 0:  # beside Lightning's banner: the threads each process runs on, and why
+        print(startup_line(cfg.get("num_threads"), cfg.trainer, torch.get_num_threads()), flush=True)
     resume_runs(trainer, ckpt_path)  # W&B: a resumed run continues the run its checkpoint names
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     stop = signals.stopped()
