@@ -14,7 +14,7 @@ import torch
 
 from flx import threads
 from flx.config import precheck
-from flx.threads import auto_threads, cgroup_cpus, node_ranks, passive_wait, resolve, usable_cores
+from flx.threads import auto_threads, cgroup_cpus, node_ranks, passive_wait, physical_cores, resolve, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,10 +51,19 @@ def test_usable_cores_are_the_affinity_mask_capped_by_the_quota_rounded_down(
     assert usable_cores(affinity, quota) == cores
 
 
-def test_usable_cores_reads_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_usable_cores_reads_the_affinity_mask(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
     monkeypatch.setattr(threads, "cgroup_cpus", lambda: None)
+    monkeypatch.setattr(threads, "CPU_SYSFS", tmp_path)  # no topology: each CPU counts
     assert usable_cores() == 3
+
+
+@pytest.mark.parametrize(("cpus", "cores"), [({0, 1, 2, 3}, 2), ({0, 2}, 1), ({0, 1}, 2), ({0, 1, 7}, 3)])
+def test_hyper_threads_of_one_core_count_once(tmp_path: Path, cpus: set[int], cores: int) -> None:
+    """4 logical CPUs on 2 cores (siblings 0,2 and 1,3, as Linux numbers them); cpu7's topology is not there."""
+    siblings = {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}
+    _tree(tmp_path, {f"cpu{c}/topology/thread_siblings_list": f"{s}\n" for c, s in siblings.items()})
+    assert physical_cores(cpus, tmp_path) == cores
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,11 @@
 
 ``auto`` is this process's share of the cores it may use:
 
-* the cores: the CPU affinity mask (``os.sched_getaffinity``: ``taskset``, ``numactl``, a SLURM step's binding),
-  capped by the cgroup CPU quota (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``, the smallest
-  over the process's cgroup and its ancestors: Docker's ``--cpus``, Kubernetes limits), rounded down (a quota of 2.5
-  CPUs gives 2 threads: a third thread would be throttled by the quota);
+* the cores: the physical cores of the CPU affinity mask (``os.sched_getaffinity``: ``taskset``, ``numactl``, a
+  SLURM step's binding; the hyper-threads of one core count once, as torch's default count on its MKL builds), capped
+  by the cgroup CPU quota (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``, the smallest over the
+  process's cgroup and its ancestors: Docker's ``--cpus``, Kubernetes limits), rounded down (a quota of 2.5 CPUs
+  gives 2 threads: a third thread would be throttled by the quota);
 * the share: divided by the run's ranks on this node (``LOCAL_WORLD_SIZE`` of torchrun, SLURM's
   ``SLURM_NTASKS_PER_NODE``, else ``trainer.devices``: every rank of ``trainer=ddp``, forked or spawned, gets its own);
   under SLURM with ``--cpus-per-task`` the share is ``SLURM_CPUS_PER_TASK`` itself (capped by the cores above);
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ AUTO = "auto"
 WAIT_POLICY = "OMP_WAIT_POLICY"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+CPU_SYSFS = Path("/sys/devices/system/cpu")
 
 
 def passive_wait(env: dict[str, str] | os._Environ = os.environ) -> None:
@@ -39,11 +41,25 @@ def passive_wait(env: dict[str, str] | os._Environ = os.environ) -> None:
     env.setdefault(WAIT_POLICY, "PASSIVE")
 
 
-def affinity_cores() -> int:
-    """The cores in this process's CPU affinity mask (``os.cpu_count()`` where the platform has no masks)."""
+def affinity_cores(sysfs: Path | None = None) -> int:
+    """The physical cores in this process's CPU affinity mask (:func:`physical_cores` under ``sysfs``, default
+    :data:`CPU_SYSFS`; ``os.cpu_count()`` where the platform has no masks)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
+        return physical_cores(os.sched_getaffinity(0), sysfs or CPU_SYSFS)
     return os.cpu_count() or 1
+
+
+def physical_cores(cpus: Iterable[int], sysfs: Path = CPU_SYSFS) -> int:
+    """The physical cores among the logical CPUs ``cpus``: SMT siblings (hyper-threads; ``cpu<i>/topology/
+    thread_siblings_list`` under ``sysfs``) count once, as in torch's default count on its MKL builds (siblings share
+    one core's vector units, which dense kernels keep busy); a CPU whose topology cannot be read counts alone."""
+    groups = set()
+    for cpu in cpus:
+        try:
+            groups.add((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip())
+        except OSError:
+            groups.add(f"cpu{cpu}")
+    return len(groups)
 
 
 def cgroup_cpus(root: Path = CGROUP_ROOT, membership: Path = PROC_CGROUP) -> float | None:
