@@ -181,8 +181,15 @@ def test_the_config_check_takes_auto_null_and_integers() -> None:
         assert str(precheck([f"num_threads={value}"]).num_threads) in (value, "None")
 
 
-def test_build_sets_the_resolved_threads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """``flx.run.build`` runs torch on ``auto``'s count (here 3 usable cores, one process)."""
+CNN = ["model=cnn", "data=synthetic", "data.loader.num_samples=400", "data.loader.input_shape=[3,32,32]"]
+
+
+@pytest.mark.parametrize(("model", "expected"), [(["model=logreg"], 1), (CNN, 3)])
+def test_build_runs_auto_s_count_or_one_thread_for_a_small_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: list[str], expected: int
+) -> None:
+    """``flx.run.build`` runs torch on ``auto``'s count (here 3 usable cores, one process) for the CNN (~1e9 FLOPs a
+    step of 32 rows), on 1 thread for logistic regression on digits (3 x 2 x 64 x 10 x 32 ~ 1.2e5 FLOPs)."""
     from flx.run import build
 
     monkeypatch.setattr(threads, "usable_cores", lambda: 3)
@@ -190,10 +197,18 @@ def test_build_sets_the_resolved_threads(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     before = torch.get_num_threads()
     try:
-        build(precheck(["model=logreg", "logger=none", "callbacks=none", f"paths.output_dir={tmp_path}"]))
-        assert torch.get_num_threads() == 3
+        build(precheck([*model, "logger=none", "callbacks=none", f"paths.output_dir={tmp_path}"]))
+        assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def test_step_flops_are_three_forwards_of_the_batch() -> None:
+    """A linear layer 64 -> 10 without bias: 2 x 64 x 10 FLOPs a row forward; a step of 32 rows is 3x that x 32."""
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10, bias=False)).train()
+    assert threads.step_flops(net, (1, 8, 8), 32) == 3 * 2 * 64 * 10 * 32 and net.training
+    assert threads.step_flops(torch.nn.Embedding(5, 2), (3,), 32) == float("inf")  # float zeros: not countable
+    assert [threads.by_work(4, 0.99e8), threads.by_work(4, 1e8)] == [1, 4]
 
 
 # ------------------------------------------------------------------------------------------- the wait policy
@@ -230,8 +245,9 @@ def test_torch_s_thread_pool_honours_the_passive_wait_policy() -> None:
 # ------------------------------------------------------------------------------------------- a 2-rank run
 @pytest.mark.slow
 def test_each_rank_of_a_two_process_run_gets_its_share(tmp_path: Path) -> None:
-    """``trainer=ddp devices=2`` (the ranks forked, as on the CPU by default): each rank runs torch on
-    ``max(1, usable cores // 2)`` threads with the passive wait policy ``train.py`` set, and the run says so once."""
+    """``trainer=ddp devices=2`` (the ranks forked, as on the CPU by default; the CNN, a large step): each rank runs
+    torch on ``max(1, usable cores // 2)`` threads with the passive wait policy ``train.py`` set, and the run says so
+    once."""
     cores = usable_cores()
     share = max(1, cores // 2)
     env = {
@@ -240,7 +256,7 @@ def test_each_rank_of_a_two_process_run_gets_its_share(tmp_path: Path) -> None:
     env |= {"PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
     env.pop("WANDB_SERVICE", None)
     cmd = [
-        sys.executable, "train.py", "model=logreg", "partition.num_clients=4", "algo.clients_per_round=2",
+        sys.executable, "train.py", *CNN, "partition.num_clients=4", "algo.clients_per_round=2", "algo.batch_size=8",
         "algo.rounds=1", "algo.local_steps=1", "logger=none", "checkpoint=null", "trainer=ddp", "trainer.devices=2",
         "callbacks.progress_bar=null", "trainer.enable_progress_bar=false",
         "+callbacks.probe._target_=test_threads.ThreadProbe", f"+callbacks.probe.out={tmp_path}",

@@ -35,8 +35,9 @@ from workloads import MAKE_TRAIN, WORKLOADS, Workload
 
 CASES = {"mlp": MAKE_TRAIN, "cnn": WORKLOADS["a"]}
 # rounds per run: a few seconds of rounds on this 2-core machine when idle; busy, a third of the MLP's (the plain
-# loop's collapse makes its runs ~30x longer)
-ROUNDS = {"idle": {"mlp": 100, "cnn": 1}, "busy": {"mlp": 33, "cnn": 1}}
+# loop's collapse makes its runs ~30x longer). The CNN's 2 (workload a's own): flx's first round also measures the
+# divergence rule's initial loss (a forward of the cohort's first 4,096 rows), which one round alone would overweight
+ROUNDS = {"idle": {"mlp": 100, "cnn": 2}, "busy": {"mlp": 33, "cnn": 2}}
 VARIANTS = ("plain", "plain passive", "flx", "flx 1")
 IDLE_TARGET, BUSY_TARGET, COLLAPSE = 1.05, 1.0, 5.0
 POLICY = "OMP_WAIT_POLICY"
@@ -112,7 +113,7 @@ def threads_report(
     for load in loads:
         before = os.getloadavg()
         with spinning(busy if load == "busy" else 0):
-            rounds = {k: max(1, n // 3) if quick else n for k, n in ROUNDS[load].items()}
+            rounds = {k: max(2, n // 3) if quick else n for k, n in ROUNDS[load].items()}
             cases = {k: measure(k, rounds[k], repeats, load) for k in CASES}
         report["loads"][load] = {"load_before": before, "load_after": os.getloadavg(), "cases": cases}
     _targets(report)

@@ -29,7 +29,15 @@ from flx.datamodules.datamodule import FederatedDataModule
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback, overrides
-from flx.launch import fork_ranks, job_label, process_rank, slurm_job_id, slurm_restarts, threads_until_fork
+from flx.launch import (
+    fork_ranks,
+    job_label,
+    process_rank,
+    set_threads,
+    slurm_job_id,
+    slurm_restarts,
+    threads_until_fork,
+)
 from flx.models.build import net_from_config as build_net
 from flx.models.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
@@ -38,8 +46,8 @@ from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
+from flx.threads import AUTO, by_work, startup_line, step_flops
 from flx.threads import resolve as resolve_threads
-from flx.threads import startup_line
 from flx.wandb_logging import WandbLogger, WandbRun, describe_run, finish, resume_runs
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
@@ -168,6 +176,9 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     task = build_task(cfg, dm.data)
     outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes, outputs)
+    if threads and cfg.get("num_threads") == AUTO and not cfg.algo.get("vectorize"):  # stacked steps are large
+        flops = step_flops(net, dm.data.input_shape, cfg.algo.batch_size)
+        set_threads(by_work(resolve_threads(AUTO, cfg.trainer), flops))  # 1 thread for a small step
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed_cfg = federation_config(cfg, dm.clients.num_train_clients)
     fed = Federation(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
