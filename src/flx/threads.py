@@ -10,7 +10,9 @@
 * the share: divided by the run's ranks on this node (``LOCAL_WORLD_SIZE`` of torchrun, SLURM's
   ``SLURM_NTASKS_PER_NODE``, else ``trainer.devices``: every rank of ``trainer=ddp``, forked or spawned, gets its own);
   under SLURM with ``--cpus-per-task`` the share is ``SLURM_CPUS_PER_TASK`` itself (capped by the cores above);
-* at least 1.
+* at least 1;
+* and 1 thread for a model whose local step is under :data:`SMALL_STEP_FLOPS` (:func:`by_work`, applied by
+  ``flx.run.build`` once the net is built): ops that small gain nothing from a second thread and pay its wake-ups.
 
 It is never the machine's load: the count depends only on what the process was given, so a seeded run gives the
 same model each time on the same allocation (torch's reductions can round differently with another thread count).
