@@ -53,6 +53,7 @@ from flx.models.build import net_from_config
 from flx.models.pretrain import AUGMENTS, SCHEDULES, PretrainParams, accuracy, fit, save_state_dict
 from flx.run import build_datamodule, build_task
 from flx.tasks import Classification
+from flx.threads import resolve as resolve_threads
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,9 @@ def pretrain(args: argparse.Namespace) -> Result:
     params = check_options(args)
     device = device_of(args.device)
     cfg = compose(args.overrides)
-    if cfg.get("num_threads"):
-        torch.set_num_threads(int(cfg.num_threads))
+    threads = resolve_threads(cfg.get("num_threads"), cfg.trainer)  # auto: this process's cores
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)  # the net's initialisation, as a run seeds it
     gen = torch.Generator().manual_seed(cfg.seed)  # shuffles and augmentation
     dm, rows = server_data(cfg)

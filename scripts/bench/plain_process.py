@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 from plain import FedAvgSpec, OwnRandomness, fedavg
-from workloads import WORKLOADS
+from workloads import EVERY
 
 from flx.models import nets
 
@@ -51,23 +51,21 @@ def load(s: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", required=True, choices=list(WORKLOADS))
+    p.add_argument("--workload", required=True, choices=list(EVERY))
     p.add_argument("--rounds", type=int, required=True)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0: torch's default")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    s = settings(WORKLOADS[args.workload].overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s = settings(EVERY[args.workload].overrides)
     x, y, x_test, y_test, shape = load(s)
     val = int(0.1 * len(x))  # the validation carve flx makes (its rows train nobody)
     x, y = x[val:], y[val:]
     num_clients = int(s["partition.num_clients"])
     clients = list(torch.from_numpy(np.random.default_rng(0).permutation(len(x))).tensor_split(num_clients))
-    net = (
-        nets.LogisticRegression(input_shape=shape, num_classes=10)
-        if s["model"] == "logreg"
-        else nets.CNN(input_shape=shape, num_classes=10)
-    )
+    net_class = {"logreg": nets.LogisticRegression, "mlp": nets.MLP, "cnn": nets.CNN}[s["model"]]
+    net = net_class(input_shape=shape, num_classes=10)
     spec = FedAvgSpec(
         rounds=args.rounds,
         clients_per_round=int(s["algo.clients_per_round"]),

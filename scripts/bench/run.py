@@ -49,6 +49,7 @@ OPTIONAL = {
     "vectorized": ("vectorized", "vectorized_report"),
     "memory": ("memory", "memory_report"),
     "eval": ("evalcost", "eval_report"),
+    "threads": ("threads", "threads_report"),
 }
 SECTIONS = ("rounds", "process", "scaleout", *OPTIONAL)
 

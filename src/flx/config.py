@@ -23,6 +23,7 @@ from flx.resource_spec import SERVER_MODELS, check_server
 from flx.resume import check_ckpt, flatten
 from flx.systems.params import check_system
 from flx.task_spec import check_task
+from flx.threads import AUTO
 
 # the run folder's name (configs/hydra/default.yaml): the same on every task of a SLURM job step (flx.launch.run_name)
 OmegaConf.register_new_resolver("flx_run_name", run_name, use_cache=True, replace=True)
@@ -541,6 +542,20 @@ def max_threads() -> int:
     return THREADS_PER_CORE * (os.cpu_count() or 1)
 
 
+def _check_threads(cfg: DictConfig) -> None:
+    """``num_threads``: ``auto`` (:mod:`flx.threads`), null (torch's default) or 1 to :func:`max_threads`."""
+    value = cfg.get("num_threads")
+    if value is None or value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= max_threads():
+        raise bad_value(
+            "num_threads",
+            value,
+            f"allowed: auto (this process's share of the cores it may use), null (torch's default) or an integer "
+            f"from 1 to {max_threads()} ({THREADS_PER_CORE} per CPU core of this machine)",
+        )
+
+
 CLIENT_EVAL = ("holdout", "test_labels", "test_group")
 """What a client's accuracy is measured on (``client_eval``); see ``FederatedDataModule``."""
 MODEL_INITS = ("default", "zeros")
@@ -560,8 +575,7 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "seed", 0, MAX_SEED, SEED_WHY)
     _int(cfg, "eval_every", 1)
     _int(cfg, "data.eval_batch_size", 1, MAX_BATCH, BATCH_WHY)
-    if cfg.get("num_threads") is not None:
-        _int(cfg, "num_threads", 1, max_threads(), f" ({THREADS_PER_CORE} per CPU core of this machine)")
+    _check_threads(cfg)
     if cfg.get("client_eval", "holdout") not in CLIENT_EVAL:
         raise bad_value("client_eval", cfg.client_eval, f"allowed: {', '.join(CLIENT_EVAL)}")
     init = OmegaConf.select(cfg, "model.init", default="default")

@@ -294,6 +294,27 @@ def threads_until_fork(num_threads: int | None) -> int | None:
 _threads_after_fork: list[int] = []
 
 
+def set_threads(threads: int) -> None:
+    """Runs torch on ``threads``: from now on, or, while this process is to fork the other ranks, in every rank once
+    :func:`fork_ranks` has forked them (until then it keeps one thread)."""
+    if forking() and _threads_after_fork:
+        _threads_after_fork[0] = threads
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_threads() -> int:
+    """The torch threads each rank of this run trains on: what :func:`fork_ranks` will give the forked ranks while
+    this process is to fork them (it holds 1 until then), else this process's current count."""
+    if forking() and _threads_after_fork:
+        return _threads_after_fork[0]
+    import torch
+
+    return torch.get_num_threads()
+
+
 class _Forked:
     """A rank :func:`fork_ranks` forked, with the part of ``subprocess.Popen``'s interface the watcher uses."""
 

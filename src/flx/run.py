@@ -35,6 +35,8 @@ from flx.launch import (
     job_label,
     keep_threads,
     process_rank,
+    run_threads,
+    set_threads,
     slurm_job_id,
     slurm_restarts,
     threads_until_fork,
@@ -47,6 +49,8 @@ from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
+from flx.threads import AUTO, by_work, startup_line, step_flops
+from flx.threads import resolve as resolve_threads
 from flx.wandb_logging import WandbLogger, WandbRun, describe_run, finish, resume_runs
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
@@ -115,7 +119,8 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
     if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
-        keep_threads(cfg.get("num_threads"))  # else Lightning's DDP launcher replaces num_threads at the fit
+        if cfg.get("num_threads") is not None:  # else Lightning's DDP launcher replaces num_threads at the fit
+            keep_threads(run_threads())  # resolved (num_threads=auto) and the same in every rank
     if slurm_job_id() is not None:  # flx requeues itself at a round boundary (RoundCheckpoint), not mid-round
         try:
             kwargs["plugins"].append(SLURMEnvironment(auto_requeue=False))
@@ -168,7 +173,7 @@ def build_datamodule(cfg: DictConfig, loaded: Any = None) -> FederatedDataModule
 
 def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Trainer]:
     validate(cfg)
-    threads = threads_until_fork(cfg.get("num_threads"))
+    threads = threads_until_fork(resolve_threads(cfg.get("num_threads"), cfg.trainer))
     if threads:
         torch.set_num_threads(int(threads))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -177,6 +182,9 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
     task = build_task(cfg, dm.data)
     outputs = task.num_outputs(dm.data, cfg.model.get("binary_head", "two_logits"))
     net = build_net(cfg.model, dm.data.input_shape, dm.data.num_classes, outputs)
+    if threads and cfg.get("num_threads") == AUTO and not cfg.algo.get("vectorize"):  # stacked steps are large
+        flops = step_flops(net, dm.data.input_shape, cfg.algo.batch_size)
+        set_threads(by_work(resolve_threads(AUTO, cfg.trainer), flops))  # 1 thread for a small step
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed_cfg = federation_config(cfg, dm.clients.num_train_clients)
     fed = Federation(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
@@ -292,6 +300,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     signals.stop_if_signalled(cfg.get("checkpoint"))  # a signal while the data loaded: stop before the first write
     save_config(cfg, dm)
     fork_ranks()  # trainer=ddp on the CPU: the other ranks start now, from this process (flx.launch.prelaunch)
+    if process_rank() == 0:  # beside Lightning's banner: the threads each process runs on, and why
+        print(startup_line(cfg.get("num_threads"), cfg.trainer, torch.get_num_threads()), flush=True)
     resume_runs(trainer, ckpt_path)  # W&B: a resumed run continues the run its checkpoint names
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     stop = signals.stopped()

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from flx.config import data_protocol
 from flx.errors import instantiate
 from flx.launch import forking, threads_until_fork
+from flx.threads import resolve as resolve_threads
 
 
 class _Load:
@@ -45,7 +46,7 @@ class _Load:
         self.data: Any = None
         self.error: BaseException | None = None
         own = OmegaConf.create({"data": OmegaConf.to_container(cfg.data, resolve=True)})  # the thread's own copy
-        threads = threads_until_fork(cfg.get("num_threads"))
+        threads = threads_until_fork(resolve_threads(cfg.get("num_threads"), cfg.trainer))
         if threads:  # as flx.run.build sets it before its load
             torch.set_num_threads(int(threads))
         loader, protocol = instantiate(own.data.loader), data_protocol(own)
