@@ -94,7 +94,7 @@ def test_the_window_holds_the_mean_fi_squared_by_hand() -> None:
     for _ in range(2):
         opt.zero_grad()
         F.cross_entropy(ref(data.x), data.y).backward()
-        fis.append(wu.batch_fisher(ref, F.cross_entropy, data.x, data.y, None))
+        fis.append(float(wu.batch_fisher_tensor(ref, F.cross_entropy, data.x, data.y, None)))
         opt.step()
     assert part.windows[0] == pytest.approx([(fis[0] ** 2 + fis[1] ** 2) / 2], rel=1e-9)
     for a, b in zip(fed.net.parameters(), ref.parameters()):
@@ -234,7 +234,7 @@ def test_fisher_batches_keeps_the_first_steps_only() -> None:
     fed = fed_with([part], data, lr=0.1)
     ref = copy.deepcopy(fed.net)
     run_rounds(fed, 1)
-    fi0 = wu.batch_fisher(ref, F.cross_entropy, data.x, data.y, None)
+    fi0 = float(wu.batch_fisher_tensor(ref, F.cross_entropy, data.x, data.y, None))
     assert part.windows[0] == pytest.approx([fi0**2], rel=1e-9)
     raises_one_line(Subnetwork, fisher_batches=0, match="algo.fisher_batches")
 

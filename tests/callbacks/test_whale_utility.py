@@ -72,7 +72,7 @@ def _per_sample_by_hand(net: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> tor
 
 def test_trace_empirical_is_the_mean_per_sample_squared_norm() -> None:
     net, x, y = _linear_batch()
-    fi = wu.batch_fisher(net, F.cross_entropy, x, y, None, "trace_empirical")
+    fi = float(wu.batch_fisher_tensor(net, F.cross_entropy, x, y, None, "trace_empirical"))
     expected = _per_sample_by_hand(net, x, y).mean()
     assert fi == pytest.approx(float(expected), rel=1e-10)
     net.zero_grad()
@@ -87,14 +87,18 @@ def test_trace_with_masks_counts_only_the_sub_model() -> None:
     masks = [torch.zeros_like(net.weight), torch.ones_like(net.bias)]
     with torch.no_grad():
         r = torch.softmax(net(x), dim=-1) - F.one_hot(y, 3).double()
-    fi = wu.batch_fisher(net, F.cross_entropy, x, y, masks, "trace_empirical")
+    fi = float(wu.batch_fisher_tensor(net, F.cross_entropy, x, y, masks, "trace_empirical"))
     assert fi == pytest.approx(float((r**2).sum(1).mean()), rel=1e-10)
 
 
 def test_trace_sampled_uses_labels_from_the_model() -> None:
     """Labels y_hat ~ Categorical(softmax(f(x))) from the given generator; then the empirical formula on y_hat."""
     net, x, y = _linear_batch()
-    fi = wu.batch_fisher(net, F.cross_entropy, x, y, None, "trace_sampled", generator=torch.Generator().manual_seed(5))
+    fi = float(
+        wu.batch_fisher_tensor(
+            net, F.cross_entropy, x, y, None, "trace_sampled", generator=torch.Generator().manual_seed(5)
+        )
+    )
     with torch.no_grad():
         probs = torch.softmax(net(x).double(), dim=-1)
     y_hat = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
@@ -106,7 +110,7 @@ def test_max_tensor_mean_is_the_authors_reduction() -> None:
     net, x, y = _linear_batch()
     net.zero_grad()
     F.cross_entropy(net(x), y).backward()
-    fi = wu.batch_fisher(net, F.cross_entropy, x, y, None, "max_tensor_mean")
+    fi = float(wu.batch_fisher_tensor(net, F.cross_entropy, x, y, None, "max_tensor_mean"))
     expected = max(float((net.weight.grad**2).mean()), float((net.bias.grad**2).mean())) / len(x)
     assert fi == pytest.approx(expected, rel=1e-12)
 
@@ -171,13 +175,13 @@ def test_lm_fisher_with_dropout_draws_a_mask_per_sample() -> None:
     net, masks, x, y = _lm_batch(dropout=0.3)
     loss = MaskedLM().loss
     torch.manual_seed(11)
-    a = wu.batch_fisher(net, loss, x, y, masks, "trace_empirical")
+    a = float(wu.batch_fisher_tensor(net, loss, x, y, masks, "trace_empirical"))
     torch.manual_seed(11)
-    b = wu.batch_fisher(net, loss, x, y, masks, "trace_empirical")
+    b = float(wu.batch_fisher_tensor(net, loss, x, y, masks, "trace_empirical"))
     for m in net.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    assert math.isfinite(a) and a == b and a != wu.batch_fisher(net, loss, x, y, masks, "trace_empirical")
+    assert math.isfinite(a) and a == b and a != float(wu.batch_fisher_tensor(net, loss, x, y, masks, "trace_empirical"))
 
 
 def test_lm_trace_sampled_draws_a_word_per_scored_position() -> None:
@@ -185,7 +189,9 @@ def test_lm_trace_sampled_draws_a_word_per_scored_position() -> None:
     order), -100 kept elsewhere; then the empirical trace on ``y_hat``."""
     net, masks, x, y = _lm_batch()
     loss = MaskedLM().loss
-    fi = wu.batch_fisher(net, loss, x, y, masks, "trace_sampled", generator=torch.Generator().manual_seed(5))
+    fi = float(
+        wu.batch_fisher_tensor(net, loss, x, y, masks, "trace_sampled", generator=torch.Generator().manual_seed(5))
+    )
     with torch.no_grad():
         probs = torch.softmax(net(x).double(), dim=-1)  # (4, 6, 7)
     drawn = torch.multinomial(probs.reshape(24, 7), 1, generator=torch.Generator().manual_seed(5)).view(4, 6)

@@ -15,7 +15,7 @@ rounds, ``T`` the preferred round time, ``beta`` the exponent of SE, ``U_th`` th
 
 Level ``p`` trains width ``s^(p-1)`` (``s = 1/2``). ``T^co, T^tr`` are the smallest level's times this round.
 
-**FI per batch** (Eq. 3 is a matrix; the paper gives no scalar, digest §7 item 5), :func:`batch_fisher`:
+**FI per batch** (Eq. 3 is a matrix; the paper gives no scalar, digest §7 item 5), :func:`batch_fisher_tensor`:
 
 - ``trace_empirical`` (default): ``tr F_emp = (1/|b|) sum_{n in b} ||grad_W l(x_n, y_n)||^2`` over the sub-model's
   entries. The squared norm of the batch gradient is *not* this (it is ``||mean_n g_n||^2``); the per-sample
@@ -102,21 +102,6 @@ def training_efficiency(window: Sequence[float], batches: int) -> float:
     9.486832980505138
     """
     return batches * math.sqrt(sum(window) / len(window))
-
-
-def batch_fisher(
-    net: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    x: Tensor,
-    y: Tensor,
-    masks: Sequence[Tensor] | None,
-    kind: str = "trace_empirical",
-    generator: torch.Generator | None = None,
-    samples: int | None = None,
-    chunk_size: int = 16,
-) -> float:
-    """:func:`batch_fisher_tensor` as a Python float (one host sync)."""
-    return float(batch_fisher_tensor(net, loss_fn, x, y, masks, kind, generator, samples, chunk_size))
 
 
 def batch_fisher_tensor(
