@@ -93,6 +93,25 @@ def test_handler_keeps_the_first_signal_and_a_second_stops_at_once() -> None:
     )
 
 
+def test_a_second_signal_on_a_rank_other_than_zero_ends_it_silently() -> None:
+    """In a SLURM job step of two tasks, task 1 still importing when task 0 requeues the job gets SLURM's SIGTERM
+    after its own SIGUSR1: it exits 143 without a second line (rank 0 said what happened); task 0 would print it."""
+    code = (
+        "import os, signal\n"
+        "from flx import signals\n"
+        "signals.install()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('not reached')\n"
+    )
+    for procid, said in (("1", ""), ("0", "flx: stopped at once by a second signal (SIGTERM after SIGUSR1)")):
+        env = {**os.environ, **ENV, "SLURM_NTASKS": "2", "SLURM_PROCID": procid}
+        env.pop("RANK", None)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert (proc.returncode, proc.stdout, proc.stderr[: len(said)]) == (143, "", said), proc.stderr
+        assert proc.stderr.count("\n") == bool(said)
+
+
 def test_after_a_requeue_slurms_sigterm_ends_the_process_silently() -> None:
     proc = _python(
         "import os, signal\n"

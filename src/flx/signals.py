@@ -30,8 +30,10 @@ SIGUSR1       138     requeue signal in a SLURM job (``--signal=USR1@120``): che
 SIGUSR2       140     as SIGUSR1 when it is ``checkpoint.requeue_signal``, else as SIGTERM
 ============  ======  =====================================================================
 
-A second SIGINT or SIGTERM before the run has stopped ends the process at once, with one line and ``128 + N`` of
-that signal. Checkpoint files are written atomically (:mod:`flx.checkpoint_io`): the newest one completely on disk
+A second SIGINT or SIGTERM before the run has stopped ends the process at once, with ``128 + N`` of that signal and
+one line from the first process of each console (:func:`flx.launch.first_on_console`; the other ranks exit silently:
+in a SLURM job a rank still in its start-up when rank 0 requeues the job gets the requeue's SIGTERM after its own
+SIGUSR1, and has nothing to add to rank 0's line). Checkpoint files are written atomically (:mod:`flx.checkpoint_io`): the newest one completely on disk
 stays ``last.ckpt``. After a requeue, the SIGTERM with which SLURM ends the job ends the process at once, silently
 (the checkpoint and the line are out).
 
@@ -117,6 +119,8 @@ def record(signum: int, frame: FrameType | None = None) -> None:
         return
     if _stop and _stop[0].requeued:  # SLURM ends the requeued job: everything is on disk and said
         os._exit(status(_stop[0].signum))
+    if not first_on_console():  # every rank gets the signal alike; one line per console, as for any stop
+        os._exit(status(signum))
     line = (
         f"flx: stopped at once by a second signal ({name(signum)} after {name(_pending[0])}); the newest complete "
         f"checkpoint is kept (resume with ckpt_path=auto); exit status {status(signum)}"
