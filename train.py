@@ -46,9 +46,9 @@ if __name__ == "__main__":
     from flx import signals as _signals  # the standard library only
 
     _signals.install()  # first: a signal during the start-up is noted, and acted on at the next safe point
-    from flx.threads import passive_wait  # the standard library only
+    from flx.threads import short_wait  # the standard library only
 
-    passive_wait()  # OMP_WAIT_POLICY=PASSIVE unless set: read when torch loads OpenMP, so before any import of torch
+    short_wait()  # GOMP_SPINCOUNT / OMP_WAIT_POLICY unless set: read when torch loads OpenMP, so before import torch
     atexit.register(_exit_without_teardown)
     gc.disable()  # until _start_collecting
     _GC_PAUSED[0] = True

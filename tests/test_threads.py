@@ -1,4 +1,4 @@
-"""``num_threads: auto`` (flx.threads): the cores a process may use, its share per rank, the passive wait policy."""
+"""``num_threads: auto`` (flx.threads): the cores a process may use, its share per rank, the short OpenMP wait."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from flx import threads
 from flx.config import precheck
-from flx.threads import auto_threads, cgroup_cpus, node_ranks, passive_wait, physical_cores, resolve, usable_cores
+from flx.threads import auto_threads, cgroup_cpus, node_ranks, physical_cores, resolve, short_wait, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,11 @@ class ThreadProbe(pl.Callback):
         self.out = out
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        seen = {"threads": torch.get_num_threads(), "policy": os.environ.get("OMP_WAIT_POLICY")}
+        seen = {
+            "threads": torch.get_num_threads(),
+            "policy": os.environ.get("OMP_WAIT_POLICY"),
+            "spin": os.environ.get("GOMP_SPINCOUNT"),
+        }
         Path(self.out, f"threads.{trainer.global_rank}.json").write_text(json.dumps(seen))
 
 
@@ -212,15 +216,17 @@ def test_step_flops_are_three_forwards_of_the_batch() -> None:
 
 
 # ------------------------------------------------------------------------------------------- the wait policy
-def test_passive_wait_is_set_only_where_the_user_set_no_policy() -> None:
+def test_the_short_wait_is_set_only_where_the_user_set_neither_variable() -> None:
     env: dict[str, str] = {}
-    passive_wait(env)
-    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
-    passive_wait(mine)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+    short_wait(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        kept = dict(mine)
+        short_wait(kept)
+        assert kept == mine
 
 
-def _idle_cpu_seconds(policy: str) -> float:
+def _idle_cpu_seconds(env: dict[str, str]) -> float:
     """CPU seconds a process uses while its main thread sleeps 0.5 s right after a parallel matmul on 2 threads."""
     code = (
         "import resource, time, torch\n"
@@ -228,31 +234,40 @@ def _idle_cpu_seconds(policy: str) -> float:
         "use = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])\n"
         "before = use(); time.sleep(0.5); print(use() - before)\n"
     )
-    env = {**os.environ, "OMP_WAIT_POLICY": policy}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    mine = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    cmd = [sys.executable, "-c", code]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**mine, **env}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return float(proc.stdout)
 
 
 @pytest.mark.slow
-def test_torch_s_thread_pool_honours_the_passive_wait_policy() -> None:
-    """With ``PASSIVE`` torch's OpenMP worker sleeps once the parallel op is done; with ``ACTIVE`` it spins through
-    the main thread's sleep (on a busy machine it gets less than a core, but some)."""
-    passive, active = _idle_cpu_seconds("PASSIVE"), _idle_cpu_seconds("ACTIVE")
+def test_torch_s_thread_pool_honours_the_wait_settings() -> None:
+    """With the passive policy torch's OpenMP worker sleeps once the parallel op is done, with ``ACTIVE`` it spins
+    through the main thread's sleep (on a busy machine it gets less than a core, but some). On GNU libgomp (torch's
+    PyPI wheels) ``GOMP_SPINCOUNT`` takes precedence over the policy: what ``short_wait`` relies on, so an endless
+    spin count with ``PASSIVE`` spins, and the short one (~10 us) sleeps within the main thread's 0.5 s."""
+    passive = _idle_cpu_seconds({"OMP_WAIT_POLICY": "PASSIVE"})
+    active = _idle_cpu_seconds({"OMP_WAIT_POLICY": "ACTIVE"})
     assert passive < 0.02 < active, (passive, active)
+    maps = Path("/proc/self/maps")  # this process has torch loaded: its OpenMP runtime is mapped
+    if not maps.exists() or "libgomp" not in maps.read_text():
+        pytest.skip("torch's OpenMP runtime here is not GNU libgomp (or /proc/self/maps is missing)")
+    endless = _idle_cpu_seconds({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "INFINITE"})
+    short: dict[str, str] = {}
+    short_wait(short)
+    assert _idle_cpu_seconds(short) < 0.02 < endless, (short, endless)
 
 
 # ------------------------------------------------------------------------------------------- a 2-rank run
 @pytest.mark.slow
 def test_each_rank_of_a_two_process_run_gets_its_share(tmp_path: Path) -> None:
     """``trainer=ddp devices=2`` (the ranks forked, as on the CPU by default; the CNN, a large step): each rank runs
-    torch on ``max(1, usable cores // 2)`` threads with the passive wait policy ``train.py`` set, and the run says so
-    once."""
+    torch on ``max(1, usable cores // 2)`` threads with the short wait ``train.py`` set, and the run says so once."""
     cores = usable_cores()
     share = max(1, cores // 2)
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE")
-    }
+    unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env |= {"PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
     env.pop("WANDB_SERVICE", None)
     cmd = [
@@ -265,6 +280,6 @@ def test_each_rank_of_a_two_process_run_gets_its_share(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"threads.{rank}.json").read_text()) for rank in (0, 1)]
-    assert seen == [{"threads": share, "policy": "PASSIVE"}] * 2
+    assert seen == [{"threads": share, "policy": "PASSIVE", "spin": "1000"}] * 2
     line = f"CPU threads: {share} per process (num_threads=auto: {cores} usable core{'s' * (cores > 1)} / 2 processes"
     assert [x for x in proc.stdout.splitlines() if x.startswith("CPU threads:")] == [f"{line} on this node)"]

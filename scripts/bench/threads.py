@@ -5,15 +5,17 @@ Per workload (``make train``'s MLP and workload a's CNN) and per load (``idle``:
 the block), alternating runs of whole processes (``process.py``), each run's per-round time from its round marks:
 
 * ``plain``: ``plain_process.py`` with torch's default threads and OpenMP's default wait policy: the baseline;
-* ``plain passive``: the same with ``OMP_WAIT_POLICY=PASSIVE``: what the wait policy alone does;
-* ``flx``: ``python train.py`` with its defaults (``num_threads: auto``, the passive policy ``train.py`` sets);
+* ``plain passive``: the same with ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once);
+* ``plain short``: the same with the short wait ``train.py`` sets (``flx.threads.short_wait``: libgomp spins ~10 us,
+  then sleeps): what the wait alone does;
+* ``flx``: ``python train.py`` with its defaults (``num_threads: auto``, the short wait ``train.py`` sets);
 * ``flx 1``: ``num_threads=1``, the default before ``auto``.
 
 The order of the variants rotates from one repeat to the next; ratios are taken within a repeat (each variant against
 that repeat's ``plain`` run) and their median reported, with the medians of the per-round times. Targets: idle,
 ``flx / plain <= 1.05``; busy, no collapse: ``flx / plain <= 1.0`` (torch's default threads are what collapses) and
-flx's busy / idle slowdown under 5x. ``OMP_WAIT_POLICY`` of this process's environment is left out of every run but
-``plain passive`` (flx's ``train.py`` sets it itself).
+flx's busy / idle slowdown under 5x. ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` of this process's environment are
+left out of every run (``train.py`` sets them itself; ``plain passive`` and ``plain short`` get theirs here).
 
 Usage: ``python scripts/bench/run.py --sections threads`` (or this script: ``--quick``, ``--loads idle``, ``--busy 4``);
 :func:`threads_report` returns a dict and :func:`table` prints it.
@@ -33,28 +35,31 @@ from typing import Any
 import process
 from workloads import MAKE_TRAIN, WORKLOADS, Workload
 
+from flx.threads import short_wait
+
 CASES = {"mlp": MAKE_TRAIN, "cnn": WORKLOADS["a"]}
 # rounds per run: a few seconds of rounds on this 2-core machine when idle; busy, a third of the MLP's (the plain
 # loop's collapse makes its runs ~30x longer). The CNN's 2 (workload a's own): flx's first round also measures the
 # divergence rule's initial loss (a forward of the cohort's first 4,096 rows), which one round alone would overweight
 ROUNDS = {"idle": {"mlp": 100, "cnn": 2}, "busy": {"mlp": 33, "cnn": 2}}
-VARIANTS = ("plain", "plain passive", "flx", "flx 1")
+VARIANTS = ("plain", "plain passive", "plain short", "flx", "flx 1")
 IDLE_TARGET, BUSY_TARGET, COLLAPSE = 1.05, 1.0, 5.0
-POLICY = "OMP_WAIT_POLICY"
+WAITS = {"plain passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "plain short": {}}
+short_wait(WAITS["plain short"])
 
 
 @contextmanager
-def _policy(value: str | None) -> Iterator[None]:
-    """``OMP_WAIT_POLICY`` of the processes started inside the block: ``value``, or unset."""
-    saved = os.environ.pop(POLICY, None)
-    if value is not None:
-        os.environ[POLICY] = value
+def _wait(values: dict[str, str]) -> Iterator[None]:
+    """``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` of the processes started inside the block: ``values``, else unset."""
+    keys = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    os.environ.update(values)
     try:
         yield
     finally:
-        os.environ.pop(POLICY, None)
-        if saved is not None:
-            os.environ[POLICY] = saved
+        for k in keys:
+            os.environ.pop(k, None)
+        os.environ.update(saved)
 
 
 def _command(variant: str, w: Workload, rounds: int, tmp: str, marks: str) -> list:
@@ -69,7 +74,7 @@ def _command(variant: str, w: Workload, rounds: int, tmp: str, marks: str) -> li
 def _run(variant: str, w: Workload, rounds: int, tmp: str, tag: str) -> float:
     """Seconds per round of one run of ``variant``."""
     marks = os.path.join(tmp, f"{tag}.json")
-    with _policy("PASSIVE" if variant == "plain passive" else None):
+    with _wait(WAITS.get(variant, {})):
         split = process.timed_process(_command(variant, w, rounds, tmp, marks), marks)
     return split["rounds"] / rounds
 

@@ -33,9 +33,9 @@ SIGUSR2       140     as SIGUSR1 when it is ``checkpoint.requeue_signal``, else 
 A second SIGINT or SIGTERM before the run has stopped ends the process at once, with ``128 + N`` of that signal and
 one line from the first process of each console (:func:`flx.launch.first_on_console`; the other ranks exit silently:
 in a SLURM job a rank still in its start-up when rank 0 requeues the job gets the requeue's SIGTERM after its own
-SIGUSR1, and has nothing to add to rank 0's line). Checkpoint files are written atomically (:mod:`flx.checkpoint_io`): the newest one completely on disk
-stays ``last.ckpt``. After a requeue, the SIGTERM with which SLURM ends the job ends the process at once, silently
-(the checkpoint and the line are out).
+SIGUSR1, and has nothing to add to rank 0's line). Checkpoint files are written atomically (:mod:`flx.checkpoint_io`):
+the newest one completely on disk stays ``last.ckpt``. After a requeue, the SIGTERM with which SLURM ends the job
+ends the process at once, silently (the checkpoint and the line are out).
 
 Only the standard library (and :mod:`flx.launch`, which imports no more) is imported here: ``train.py`` imports this
 module before anything else.

@@ -16,10 +16,12 @@
 
 It is never the machine's load: the count depends only on what the process was given, so a seeded run gives the
 same model each time on the same allocation (torch's reductions can round differently with another thread count).
-The load is met instead by OpenMP's passive wait policy, which ``train.py`` sets before torch starts its thread pool
-(:func:`passive_wait`): with the default policy a waiting thread spins (libgomp: ~300,000 iterations) before it
-sleeps, so two processes whose threads outnumber the cores spin against each other's work (docs/configs.md#cpu-threads
-has the measurements). This module imports neither torch nor Lightning: the config check uses it.
+The load is met instead by a short OpenMP wait, which ``train.py`` sets before torch starts its thread pool
+(:func:`short_wait`): with the default policy a waiting thread spins (libgomp: 300,000 iterations, ~3 ms) before it
+sleeps, so two processes whose threads outnumber the cores spin against each other's work; sleeping at once (the
+passive policy) makes every parallel op of an idle machine wait for a thread to wake. A spin of ~10 us keeps both:
+the idle speed of the default and the busy speed of the passive policy (docs/configs.md#cpu-threads has the
+measurements). This module imports neither torch nor Lightning: the config check uses it.
 """
 
 from __future__ import annotations
@@ -32,15 +34,25 @@ from typing import Any
 
 AUTO = "auto"
 WAIT_POLICY = "OMP_WAIT_POLICY"
+SPIN_COUNT = "GOMP_SPINCOUNT"
+# spins of a waiting libgomp thread before it sleeps: ~10 us at libgomp's own estimate of 100,000 spins a millisecond,
+# long enough to catch the next parallel op of the same step on an idle machine, too short to hold a core that another
+# job needs (docs/configs.md#cpu-threads: measured 1,000 to 30,000)
+SHORT_SPIN = "1000"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 CPU_SYSFS = Path("/sys/devices/system/cpu")
 
 
-def passive_wait(env: dict[str, str] | os._Environ = os.environ) -> None:
-    """Sets ``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy: OpenMP threads sleep as soon as they wait. Read
-    once, when torch loads its OpenMP runtime: call it before ``import torch``."""
-    env.setdefault(WAIT_POLICY, "PASSIVE")
+def short_wait(env: dict[str, str] | os._Environ = os.environ) -> None:
+    """Makes a waiting OpenMP thread spin briefly, then sleep: ``GOMP_SPINCOUNT`` = :data:`SHORT_SPIN` for GNU libgomp
+    (torch's PyPI wheels; it takes precedence over the policy there) and ``OMP_WAIT_POLICY=PASSIVE`` for any other
+    runtime, unless the user set either. Read once, when torch loads its OpenMP runtime: call it before
+    ``import torch``."""
+    if WAIT_POLICY in env or SPIN_COUNT in env:
+        return
+    env[WAIT_POLICY] = "PASSIVE"
+    env[SPIN_COUNT] = SHORT_SPIN
 
 
 def affinity_cores(sysfs: Path | None = None) -> int:
