@@ -1,10 +1,12 @@
-"""What the reproduction scripts share: the per-round curve figure and the mean ± std cell of a results table."""
+"""What the reproduction scripts share: the per-round curve figure, the mean ± std cell of a results table, and the
+step-size search of ``--tune``."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 QUIET_CPU = [
@@ -80,3 +82,33 @@ def data_available(setting: str, overrides: Sequence[str]) -> bool:
     except (ConfigError, FileNotFoundError, OSError, RuntimeError) as e:
         print(f"skipping {setting}: {str(e).splitlines()[0]}", flush=True)
         return False
+
+
+TUNE_SEED = 1000
+"""The seed of every tuning run: none of the evaluation seeds (0, 1, 2, ...), so a tuned step size is not selected on
+the runs it is then reported with."""
+
+
+def tune(grid: Sequence[float], score: Callable[[float], float]) -> tuple[float, dict[float, float]]:
+    """The step size of ``grid`` with the lowest ``score`` (a run's final value of the selection metric, lower is
+    better; ``inf`` for a run that diverged or failed), and every score. Ties go to the first in ``grid``; a grid on
+    which every run diverged raises."""
+    scores: dict[float, float] = {}
+    for lr in grid:
+        try:
+            value = float(score(lr))
+        except Exception as e:  # noqa: BLE001 - a diverged or failed run ranks last, whatever stopped it
+            print(f"  lr={lr:g}: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", flush=True)
+            value = math.inf
+        scores[lr] = value if math.isfinite(value) else math.inf
+    best = min(grid, key=lambda lr: scores[lr])
+    if not math.isfinite(scores[best]):
+        raise RuntimeError(f"every step size of the grid {list(grid)} diverged")
+    return best, scores
+
+
+def save_tuned(path: Path, tuned: dict) -> None:
+    """Writes the tuned step sizes (``{setting: {method: {"lr", "scores", "seed", "rounds", "metric"}}}``) next to
+    the table, so that a reader sees what was searched and what each candidate scored."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
