@@ -20,6 +20,7 @@ Tested against Lightning 2.6 (pinned in ``pyproject.toml``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,7 @@ class FederatedFitLoop(_FitLoop):
         super().__init__(*args, **kwargs)
         self.client_limit = client_limit
         self.signal = 0  # rank 0's signal, taken by every rank (flx.signals); the run stops on it
+        self.clock: float | None = None  # rank 0's time.monotonic() at the last round boundary, the same on every rank
 
     @override
     def on_run_start(self) -> None:
@@ -95,10 +97,13 @@ class FederatedFitLoop(_FitLoop):
         super().on_advance_end()
 
     def _take_signal(self) -> int:
-        """Rank 0's pending signal on every rank (a collective: all ranks must stop at the same round), once."""
+        """Rank 0's pending signal on every rank (a collective: all ranks must stop at the same round), once; with it
+        rank 0's clock (:attr:`clock`), so that what the round boundary decides by the wall time (the checkpoint's
+        schedule) is decided alike on every rank without a second collective."""
         if not self.signal:
-            signum = signals.pending()
-            self.signal = int(self.trainer.strategy.broadcast(signum, src=0)) if self.trainer.world_size > 1 else signum
+            mine = (signals.pending(), time.monotonic())
+            signum, self.clock = self.trainer.strategy.broadcast(mine, src=0) if self.trainer.world_size > 1 else mine
+            self.signal = int(signum)
             self.trainer.should_stop = self.trainer.should_stop or bool(self.signal)
         return self.signal
 

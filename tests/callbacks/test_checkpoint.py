@@ -32,29 +32,55 @@ class FakeClock:
         return self.now
 
 
+class NoCollective:
+    """A strategy of a 2-rank run whose collectives fail the test: the schedule must come from the loop's clock."""
+
+    def broadcast(self, obj: object, src: int = 0) -> object:
+        raise AssertionError("RoundCheckpoint made a collective of its own")
+
+
 def written(
-    monkeypatch: pytest.MonkeyPatch, rounds: int, seconds: float, stop_after: int | None = None, **kw: object
+    monkeypatch: pytest.MonkeyPatch,
+    rounds: int,
+    seconds: float,
+    stop_after: int | None = None,
+    agreed: bool = False,
+    **kw: object,
 ) -> list[int]:
     """The rounds a :class:`RoundCheckpoint` writes over ``rounds`` rounds of ``seconds`` each (fake clock, one
-    process; the save itself is recorded, not performed)."""
+    process; the save itself is recorded, not performed). ``agreed``: rank 1 of 2 ranks, whose own clock is
+    meaningless (it stands still), given rank 0's clock at each boundary by the fit loop, as
+    :class:`flx.loop.FederatedFitLoop` does with the signal."""
     clock = FakeClock()
-    monkeypatch.setattr(checkpoint.time, "monotonic", clock)
+    loop = SimpleNamespace(signal=0, clock=clock.now) if agreed else SimpleNamespace(signal=0)
+    if not agreed:
+        monkeypatch.setattr(checkpoint.time, "monotonic", clock)
     cb = RoundCheckpoint("unused", **kw)  # type: ignore[arg-type]
     saved: list[int] = []
-    monkeypatch.setattr(cb, "_save_round", lambda trainer, r: saved.append(r) or setattr(cb, "_last_time", clock()))
+    monkeypatch.setattr(
+        cb, "_save_round", lambda trainer, r: saved.append(r) or setattr(cb, "_last_time", cb._now(trainer))
+    )
     trainer = SimpleNamespace(
-        fast_dev_run=False, sanity_checking=False, max_epochs=rounds, should_stop=False, world_size=1,
-        fit_loop=SimpleNamespace(signal=0), is_global_zero=True, current_epoch=0, lightning_module=None,
+        fast_dev_run=False, sanity_checking=False, max_epochs=rounds, should_stop=False, world_size=2 if agreed else 1,
+        fit_loop=loop, is_global_zero=not agreed, current_epoch=0, lightning_module=None, strategy=NoCollective(),
     )  # fmt: skip
     cb.on_train_start(trainer, None)  # type: ignore[arg-type]
     for epoch in range(rounds):
         clock.now += seconds
+        loop.clock = clock.now if agreed else None
         trainer.current_epoch = epoch
         trainer.should_stop = stop_after is not None and epoch + 1 >= stop_after
         cb.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
         if trainer.should_stop:
             break
     return saved
+
+
+def test_every_rank_follows_rank_0_s_clock_from_the_loop_without_a_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DDP the schedule's clock is rank 0's, received with the round's signal: a rank whose own clock says
+    otherwise writes the rounds rank 0 writes, and makes no broadcast of its own (one collective a round boundary)."""
+    for kw in ({"min_seconds": 5}, {"every_rounds": 3, "min_seconds": 5}, {"every_rounds": None, "every_seconds": 4}):
+        assert written(monkeypatch, 13, 1.5, agreed=True, **kw) == written(monkeypatch, 13, 1.5, **kw), kw
 
 
 def test_floor_writes_every_ceil_s_over_d_th_round_and_the_last(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,9 @@ written: the global model, Lightning's loop progress, every part's ``state_dict`
 per-client state store (``checkpoint["flx"]``). A checkpoint is due every ``every_rounds`` rounds and when
 ``every_seconds`` have passed since the last one, but not sooner than ``min_seconds`` after the last one (or after the
 start of training): when rounds are short, a round's due checkpoint is skipped until that much wall time has passed,
-so checkpoints cost at most one write every ``min_seconds``. A kill then redoes at most the rounds of ``min_seconds``
+so checkpoints cost at most one write every ``min_seconds``. Times are rank 0's clock at the round boundaries, which
+every rank takes with the round's signal (:attr:`flx.loop.FederatedFitLoop.clock`): the ranks agree without a
+collective of their own. A kill then redoes at most the rounds of ``min_seconds``
 plus the round that ended the wait and the round in progress, to the same final model (resume is exact from any round
 file). The floor never delays the checkpoint of the last round, of a round after which the run stops
 (``trainer.should_stop``: early stopping, a signal) or of a requeue. Files are
@@ -91,6 +93,12 @@ def _signal(trainer: pl.Trainer) -> int:
     return int(getattr(trainer.fit_loop, "signal", 0))
 
 
+def _agreed_clock(trainer: pl.Trainer) -> float | None:
+    """Rank 0's ``time.monotonic()`` at this round boundary, taken by every rank with the signal
+    (:attr:`flx.loop.FederatedFitLoop.clock`), or None outside flx's fit loop."""
+    return getattr(trainer.fit_loop, "clock", None)
+
+
 def _rounds_of(paths: list[str]) -> set[int]:
     """The rounds whose state the round files among ``paths`` hold."""
     return {int(m.group(1)) for p in paths if (m := ROUND_FILE.fullmatch(os.path.basename(p)))}
@@ -171,7 +179,7 @@ class RoundCheckpoint(Checkpoint):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_time = time.monotonic()  # the clocks of every_seconds and min_seconds start with the rounds
+        self._last_time = self._now(trainer)  # the clocks of every_seconds and min_seconds start with the rounds
         signum = _signal(trainer)  # before the first round: nothing to save; requeue at once
         if signum and signals.requeues(signum, self.requeue, self.requeue_signal):
             self._requeue(trainer)
@@ -204,9 +212,16 @@ class RoundCheckpoint(Checkpoint):
         """Rank 0's decision on every rank (a save is collective: all ranks must take the same branch)."""
         return bool(trainer.strategy.broadcast(flag, src=0)) if trainer.world_size > 1 else flag
 
+    def _now(self, trainer: pl.Trainer) -> float:
+        """The clock of the schedule: rank 0's at this round boundary, as every rank took it with the signal
+        (:func:`_agreed_clock`), else this process's ``time.monotonic()``."""
+        agreed = _agreed_clock(trainer)
+        return time.monotonic() if agreed is None else agreed
+
     def _due(self, trainer: pl.Trainer, rounds: int) -> bool:
-        """Whether round ``rounds`` gets a checkpoint (the module docstring's rule). The clock is rank 0's: its
-        verdict is broadcast (one small collective) in the rounds where the clock decides."""
+        """Whether round ``rounds`` gets a checkpoint (the module docstring's rule). The clock is rank 0's, which
+        every rank took at the round boundary with the signal, so the verdict is the same everywhere at no extra
+        collective; outside flx's fit loop rank 0's verdict is broadcast in the rounds where the clock decides."""
         if rounds == trainer.max_epochs or trainer.should_stop:
             return True
         scheduled = self.every_rounds is not None and rounds % self.every_rounds == 0
@@ -214,7 +229,8 @@ class RoundCheckpoint(Checkpoint):
             return False
         if scheduled and not self.min_seconds:
             return True
-        return self._agree(trainer, self.clock_due(time.monotonic() - self._last_time, scheduled))
+        due = self.clock_due(self._now(trainer) - self._last_time, scheduled)
+        return due if _agreed_clock(trainer) is not None else self._agree(trainer, due)
 
     def clock_due(self, elapsed: float, scheduled: bool) -> bool:
         """Whether a round that ends ``elapsed`` seconds after the last checkpoint gets one (``scheduled``: due by
@@ -230,7 +246,7 @@ class RoundCheckpoint(Checkpoint):
         # every rank takes part; rank 0 writes (atomically, flx.checkpoint_io). weights_only=False: the whole training
         # state (loops, parts, server); Lightning logs a line at every save when it is left unset
         trainer.save_checkpoint(path, weights_only=False)
-        self._last_time = time.monotonic()
+        self._last_time = self._now(trainer)  # the round boundary's (agreed) clock: the next floor counts from there
         if trainer.is_global_zero:  # after the file is on disk (the writer runs jobs in order)
             _after_write(trainer, _link_and_remove, path, os.path.join(self.dirpath, LAST), self._prune())
         else:
