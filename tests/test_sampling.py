@@ -160,7 +160,7 @@ def test_a_fedavg_round_steps_on_the_configured_stream(minibatch: str) -> None:
 
 FRESH_BY_DEFAULT = ["ditto", "fedavg_personal", "feddualavg", "fedmid", "fedprox_personal", "pfedfbe", "pfedme"]
 """The algorithms whose papers draw a minibatch at every local step (and the pFedFBE protocol's FedAvg and FedProx
-baselines); docs/configs.md lists the passages."""
+baselines); docs/pfedfbe.md#minibatches quotes the passages."""
 
 
 def test_each_algo_config_defaults_to_its_papers_stream(tmp_path) -> None:
