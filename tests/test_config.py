@@ -124,6 +124,7 @@ CASES = [
         ("algo.vectorize=true", "PFedMe", "local_update"),
         slow=True,
     ),
+    Case("minibatch-unknown", ("algo.minibatch=shuffle",), ("algo.minibatch=", "shuffle", "epochs, fresh")),
     Case("aggregator-unknown", ("algo.aggregator=median",), ("algo.aggregator=", "median", "count_mean, admm_sum")),
     Case("model-init-unknown", ("model.init=ones",), ("model.init=", "ones", "default, zeros")),
     Case("weighting-unknown", ("algo.weighting=foo",), ("algo.weighting=", "foo", "num_samples")),

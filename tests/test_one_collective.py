@@ -134,11 +134,18 @@ CASES: dict[str, tuple[Callable[[], list], bool, dict, int, int]] = {
         0,
     ),
     "fedxl2": (lambda: [PassiveBuffer(b1=2, b2=3, gamma=0.5, beta=0.5), ClientNoise()], True, {}, 1, 0),
-    "fedmid": (lambda: [ProxStep(L1)], False, {}, 0, 0),
-    "feddualavg": (lambda: [DualAveraging(L1)], False, {}, 0, 0),
-    "pfedfbe": (lambda: [FBE(L1, lam=5.0)], False, {"weighting": "uniform"}, 0, 0),
-    "pfedme": (lambda: [PFedMe(L1, lam=5.0, personal_lr=0.05)], False, {"weighting": "uniform"}, 1, 0),
-    "ditto": (lambda: [Ditto(L1, lam=1.0, personal_lr=0.05)], False, {}, 1, 0),
+    # the pFedFBE protocol's algorithms on fresh minibatches, as their configs (algo.minibatch=fresh)
+    "fedmid": (lambda: [ProxStep(L1)], False, {"minibatch": "fresh"}, 0, 0),
+    "feddualavg": (lambda: [DualAveraging(L1)], False, {"minibatch": "fresh"}, 0, 0),
+    "pfedfbe": (lambda: [FBE(L1, lam=5.0)], False, {"weighting": "uniform", "minibatch": "fresh"}, 0, 0),
+    "pfedme": (
+        lambda: [PFedMe(L1, lam=5.0, personal_lr=0.05)],
+        False,
+        {"weighting": "uniform", "minibatch": "fresh"},
+        1,
+        0,
+    ),
+    "ditto": (lambda: [Ditto(L1, lam=1.0, personal_lr=0.05)], False, {"minibatch": "fresh"}, 1, 0),
     "augfl": (
         lambda: [MetaUpdate(alpha=0.1, rho=2.0), PMRegularizer(lam=0.5, rh="kd", batch_size=8)],
         False,

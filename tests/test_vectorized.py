@@ -71,8 +71,10 @@ def _assert_same(seq, vec) -> None:
         {"momentum": 0.9, "weight_decay": 1e-2},  # torch.optim.SGD's momentum and decay, reset per client
         {"local_epochs": 2, "weighting": "uniform"},  # K_i grows with n_i: more groups
         {"single_row_batch": "drop"},  # the one-row client is skipped, one-row last batches are left out
+        {"minibatch": "fresh"},  # B fresh rows a step (clients below B: all rows, reshuffled), same draws per client
+        {"minibatch": "fresh", "local_epochs": 2, "single_row_batch": "drop"},  # K_i from n_i; the one-row client out
     ],
-    ids=["fedavg", "momentum_decay", "epochs", "drop_single_rows"],
+    ids=["fedavg", "momentum_decay", "epochs", "drop_single_rows", "fresh", "fresh_epochs_drop"],
 )
 def test_fedavg_equals_the_sequential_path(cfg: dict, net: str) -> None:
     assert vectorized.foldable(NETS[net]()) == (net == "folded")

@@ -353,6 +353,8 @@ def _check_algo(cfg: DictConfig) -> None:
         raise bad_value("algo.duplicates", cfg.algo.duplicates, f"allowed: {', '.join(DUPLICATES)}")
     if not isinstance(cfg.algo.get("vectorize", False), bool):
         raise bad_value("algo.vectorize", cfg.algo.vectorize, "allowed: true, false")
+    if cfg.algo.get("minibatch", "epochs") not in MINIBATCH:
+        raise bad_value("algo.minibatch", cfg.algo.minibatch, f"allowed: {', '.join(MINIBATCH)}")
     if cfg.algo.get("aggregator", "mean") not in AGGREGATORS:
         raise bad_value("algo.aggregator", cfg.algo.aggregator, f"allowed: {', '.join(AGGREGATORS)}")
     if cfg.algo.server.name not in ("sgd", "adam"):
@@ -565,9 +567,11 @@ FAULT_POLICIES = ("drop", "stop")
 SINGLE_ROW_BATCH = ("auto", "drop", "keep")
 """Local minibatches of one row (``algo.single_row_batch``); see :func:`flx.federation.local_batches`."""
 DUPLICATES = ("multiplicity", "repeat")
+"""How a client drawn ``k`` times in one cohort trains (``algo.duplicates``); see :class:`flx.federation.Federation`."""
 AGGREGATORS = ("mean", "count_mean", "admm_sum")
 """``algo.aggregator``: :data:`flx.aggregation.AGGREGATORS` (named here so the precheck imports no torch)."""
-"""How a client drawn ``k`` times in one cohort trains (``algo.duplicates``); see :class:`flx.federation.Federation`."""
+MINIBATCH = ("epochs", "fresh")
+"""``algo.minibatch``: :data:`flx.sampling.MINIBATCH_STREAMS` (named here so the precheck imports no torch)."""
 
 
 def validate(cfg: DictConfig) -> None:

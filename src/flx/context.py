@@ -27,6 +27,10 @@ class FederationConfig:
         local_epochs: if set, ``K = local_epochs * ceil(n_i / batch_size)`` per client.
         lr: local step size ``eta``.
         batch_size: local minibatch size ``B``.
+        minibatch: how the ``K`` local minibatches are drawn (:data:`flx.sampling.MINIBATCH_STREAMS`): ``epochs``,
+            reshuffled passes over the client's rows (the last batch of a pass short when ``B`` does not divide
+            ``n_i``); ``fresh``, ``B`` rows drawn uniformly without replacement at every step, independently across
+            steps (all ``n_i`` rows, reshuffled, when ``n_i < B``). Both from ``client.generator``.
         momentum: local SGD momentum (reset for every client).
         weight_decay: local L2 weight decay.
         weighting: aggregation weight ``p_i``: ``num_samples`` (FedAvg, ``n_i``) or ``uniform``.
@@ -58,6 +62,7 @@ class FederationConfig:
     local_epochs: int | None = None
     lr: float = 0.05
     batch_size: int = 32
+    minibatch: str = "epochs"
     momentum: float = 0.0
     weight_decay: float = 0.0
     weighting: str = "num_samples"

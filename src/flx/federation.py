@@ -33,7 +33,15 @@ from flx.datamodules.ragged import Ragged
 from flx.faults import DivergenceWatch, RoundFaults, all_finite, check_global_model, judge, knob
 from flx.hooks import HOOKS, FederatedCallback, overrides
 from flx.local_sgd import clear_grads, is_plain_sgd, sgd_step
-from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, local_batches, shard_greedy, uniform_cohort
+from flx.sampling import (
+    MINIBATCH_STREAMS,
+    SAMPLE_TAG,
+    derive_seed,
+    derive_seeds,
+    local_batches,
+    shard_greedy,
+    uniform_cohort,
+)
 from flx.server import ServerOptimizer
 from flx.state import ClientStateStore, ServerState
 from flx.systems.clock import SimClock
@@ -529,10 +537,13 @@ class Federation:
         return self._local_steps(client) / max(client.num_steps, 1)
 
     def client_batches(self, client: ClientContext) -> Iterator[Tensor]:
-        """The default minibatch stream of ``client``: its ``num_steps`` minibatches (row indices into the store) of
-        reshuffled passes over its rows, drawn from ``client.generator`` (for parts that replace the local steps)."""
+        """The default minibatch stream of ``client``: its ``num_steps`` minibatches (row indices into the store),
+        drawn from ``client.generator`` as ``algo.minibatch`` says (reshuffled passes over its rows, or a fresh draw of
+        ``B`` rows per step; :data:`flx.sampling.MINIBATCH_STREAMS`). The one source of the local steps' rows: the
+        sequential steps, the stacked ones (:mod:`flx.vectorized`) and parts that replace the local steps."""
+        stream = MINIBATCH_STREAMS[self.cfg.minibatch]
         idx = self.data.client_indices[client.cid]
-        return local_batches(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
+        return stream(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
 
     def batch(self, rows: Tensor) -> tuple[Tensor, Tensor]:
         """``(x, y)`` of ``rows`` of the tensor store (rows held on the host, e.g. the server's, are copied to the

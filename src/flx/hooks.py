@@ -141,8 +141,9 @@ class FederatedCallback(Callback):
     def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor | None:
         """Client, every local step: row indices of the step's minibatch in the tensor store, or None to defer.
 
-        The default is reshuffled epochs of the client's rows (:func:`flx.federation.local_batches`); draw from
-        ``client.generator`` to stay a function of ``(seed, round, client)``.
+        The default is ``fed.client_batches(client)`` (``algo.minibatch``: reshuffled epochs of the client's rows, or a
+        fresh draw of ``B`` rows per step); draw from ``client.generator`` to stay a function of
+        ``(seed, round, client)``.
         """
         return None
 

@@ -2,11 +2,16 @@
 
 Every random choice of a round is a function of ``(seed, round)`` (the cohort) or ``(seed, round, client)`` (the
 client's minibatches and dropout), so a run gives the same model on 1 process or on N.
+
+A client's ``K`` local minibatches come from one of two streams (``algo.minibatch``, :data:`MINIBATCH_STREAMS`):
+``epochs`` (:func:`local_batches`, reshuffled passes over the rows: with 128 rows and ``B = 50``, batches of 50, 50,
+28, 50, 50, 28, ...) or ``fresh`` (:func:`fresh_batches`, ``B`` rows drawn anew without replacement at every step, the
+"sample a minibatch of size ``B``" of the pFedFBE, pFedMe, Ditto and FedMiD/FedDualAvg algorithms).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -197,3 +202,37 @@ def local_batches(
         need = n if used == per_pass else used * batch_size  # a partly used pass uses full batches only
         yield from take(indices, _pass_positions(n, need, gen)).split(batch_size)[:used]
         steps -= used
+
+
+def fresh_rows(indices: Rows, size: int, gen: torch.Generator) -> Tensor:
+    """``min(size, n)`` of the client's ``n`` rows drawn uniformly without replacement, in random order: the first
+    ``min(size, n)`` entries of a fresh uniform permutation (one ``randperm``, or :func:`permutation_prefix` for a
+    client of at least :data:`LAZY_MIN_ROWS` rows when ``size`` is at most :data:`LAZY_MAX_FRACTION` of them, so a draw
+    costs its rows, not the client's). ``size >= n`` gives all ``n`` rows in a fresh random order. Every draw comes
+    from ``gen``."""
+    n = len(indices)
+    return take(indices, _pass_positions(n, min(size, n), gen))
+
+
+def fresh_batches(
+    indices: Rows, batch_size: int, steps: int, gen: torch.Generator, min_rows: int = 1
+) -> Iterator[Tensor]:
+    """``steps`` minibatches of the client's rows, each ``batch_size`` rows drawn uniformly without replacement
+    (:func:`fresh_rows`), independently of the other steps: a row can appear in consecutive steps, and each step's
+    rows are distinct. A client with fewer than ``batch_size`` rows gets all its rows at every step, each time in a
+    fresh random order.
+
+    No minibatch is short, so ``min_rows`` only asks the client to hold that many rows (as :func:`local_batches`
+    does; the federation skips smaller clients). Arguments as for :func:`local_batches`.
+    """
+    n = len(indices)
+    if n < max(min_rows, 1):
+        raise ValueError(f"fresh_batches: {n} rows, fewer than min_rows={min_rows}")
+    for _ in range(steps):
+        yield fresh_rows(indices, batch_size, gen)
+
+
+BatchStream = Callable[[Rows, int, int, torch.Generator, int], Iterator[Tensor]]
+"""``stream(indices, batch_size, steps, gen, min_rows)``: a client's ``steps`` minibatches (row indices)."""
+MINIBATCH_STREAMS: dict[str, BatchStream] = {"epochs": local_batches, "fresh": fresh_batches}
+"""``algo.minibatch``: how a client's local minibatches are drawn (:func:`local_batches`, :func:`fresh_batches`)."""

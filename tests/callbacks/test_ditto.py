@@ -93,11 +93,12 @@ def test_bad_options_stop_with_one_line() -> None:
     raises_one_line(Ditto, personal_lr=0.0, match="algo.personal_lr")
 
 
-def test_resumed_equals_uninterrupted() -> None:
+@pytest.mark.parametrize("minibatch", ["epochs", "fresh"])
+def test_resumed_equals_uninterrupted(minibatch: str) -> None:
     """The personal models ride in the federation's checkpointed store: 1 round, save, load into a fresh federation,
-    1 more round == 2 rounds (global and personal models)."""
+    1 more round == 2 rounds (global and personal models), under either minibatch stream."""
     data = regression([7, 5, 6])
-    kw = dict(clients_per_round=2, seed=4)
+    kw = dict(clients_per_round=2, seed=4, minibatch=minibatch)
     whole = _fed(data, [Ditto(lam=0.5)], **kw)
     run_rounds(whole, 2)
     first = _fed(data, [Ditto(lam=0.5)], **kw)

@@ -43,20 +43,24 @@ def test_each_hessian_mode_matches_the_closed_form_hessian(mode: str) -> None:
     assert float((hess(data.x) @ u).abs().max()) > 1e-2  # the modes differ by a visible amount
 
 
+@pytest.mark.parametrize("minibatch", ["epochs", "fresh"])
 @pytest.mark.parametrize("hessian_batch", ["same", "independent"])
-def test_local_steps_on_minibatches_match_the_hand_update(hessian_batch: str) -> None:
+def test_local_steps_on_minibatches_match_the_hand_update(hessian_batch: str, minibatch: str) -> None:
     """Three minibatch steps (B = 4 of n = 9 rows; L1 on the weight): D is the core's default stream (seeded by
-    (seed, round, client)); D_hat = D (same) or 4 rows drawn without replacement from the part's own
-    (seed, round, client, copy, tag) stream (independent), so D is FedAvg's in both modes."""
+    (seed, round, client)): reshuffled passes (epochs) or 4 rows of a fresh randperm every step (fresh); D_hat = D
+    (same) or 4 rows drawn without replacement from the part's own (seed, round, client, copy, tag) stream at every
+    step (independent; Algorithm 1 samples D and D_hat at every step), so D is FedAvg's in both modes."""
     lam, eta, mu, seed = 3.0, 0.05, 0.2, 4
     data = regression([9])
     fbe = FBE(lam=lam, hessian_batch=hessian_batch, regularizer=l1(mu))
-    fed = _fed(data, [fbe], lr=eta, local_steps=3, batch_size=4, seed=seed)
+    fed = _fed(data, [fbe], lr=eta, local_steps=3, batch_size=4, seed=seed, minibatch=minibatch)
     w = flat(fed.params)
     run_rounds(fed, 1)
     idx = data.client_indices[0]
     hat = torch.Generator().manual_seed(derive_seed(seed, 0, 0, 0, _HAT_TAG))
-    for rows in local_batches(idx, 4, 3, torch.Generator().manual_seed(derive_seed(seed, 0, 0))):
+    gen = torch.Generator().manual_seed(derive_seed(seed, 0, 0))
+    fresh = [idx[torch.randperm(9, generator=gen)[:4]] for _ in range(3)] if minibatch == "fresh" else None
+    for rows in fresh or local_batches(idx, 4, 3, gen):
         rows_hat = rows if hessian_batch == "same" else idx[torch.randperm(9, generator=hat)[:4]]
         g = grad(data.x[rows], data.y[rows], w)
         u = w - prox(w - g / lam, mu / lam)

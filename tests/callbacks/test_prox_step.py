@@ -233,13 +233,14 @@ def test_bad_options_name_the_key() -> None:
 @pytest.mark.parametrize("algo", ["fedmid", "feddualavg"])
 def test_algo_configs_train_and_resume(tmp_path: Path, algo: str) -> None:
     """``algo=fedmid|feddualavg`` through the entry point: exact zeros in the weights, none in the biases; 4 rounds
-    == 2 rounds + a resume from the checkpoint to 4 (FedDualAvg's z and eta~ come back with the part's state)."""
+    == 2 rounds + a resume from the checkpoint to 4 (FedDualAvg's z and eta~ come back with the part's state), on
+    fresh minibatches (both configs' default ``algo.minibatch``, named here: the stream's end-to-end resume check)."""
     from flx.config import precheck
     from flx.run import train
 
     base = [f"algo={algo}", "model=logreg", "partition.num_clients=6", "algo.clients_per_round=3", "logger=none"]
     base += ["algo.local_steps=3", "algo.regularizer.mu=0.05", "callbacks.progress_bar=null", "trainer.accelerator=cpu"]
-    base += ["trainer.enable_progress_bar=false"]
+    base += ["trainer.enable_progress_bar=false", "algo.minibatch=fresh"]
 
     def run(out: str, *extra: str) -> dict:
         train(precheck([*base, *extra, f"paths.output_dir={tmp_path / out}"]))

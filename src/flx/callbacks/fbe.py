@@ -49,7 +49,7 @@ from flx.autodiff import FD_EPS, HVP_MODES
 from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer, make_regularizer
-from flx.sampling import derive_seed
+from flx.sampling import derive_seed, fresh_rows
 
 if TYPE_CHECKING:
     from flx.context import ClientContext
@@ -184,12 +184,15 @@ class FBE(FederatedCallback):
 
     def _hessian_rows(self, fed: Federation, client: ClientContext) -> Tensor:
         """:math:`\\hat D`: the step's rows (``same``, whichever part chose them) or ``hessian_batch_size`` rows drawn
-        without replacement."""
+        without replacement, anew at every step (all the client's rows when it has no more; under
+        ``algo.minibatch=fresh`` through :func:`~flx.sampling.fresh_rows`, in random order)."""
         if self.params.hessian_batch == "same":
             assert client.rows is not None, "on_local_grad runs inside a local step"
             return client.rows
         rows = fed.data.client_indices[client.cid]
         size = self.params.hessian_batch_size or fed.cfg.batch_size
+        if fed.cfg.minibatch == "fresh":  # drawn as the core's fresh minibatches are (cheap for big clients)
+            return fresh_rows(rows, size, client.extras[_HAT])
         if size >= len(rows):
             return rows
         return rows[torch.randperm(len(rows), generator=client.extras[_HAT])[:size].to(rows.device)]  # host draw
