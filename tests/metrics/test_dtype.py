@@ -25,6 +25,8 @@ from flx.metrics.dtype import default_dtype, logged_dtype
 from flx.metrics.sync import reduce_sums, summed
 from flx.run import build
 from flx.tasks import Classification
+from flx.wandb_files import load_run
+from flx.wandb_logging import finish
 
 f64 = torch.float64
 QUIET = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null"]
@@ -126,14 +128,17 @@ def test_a_float64_lasso_run_logs_its_support_ratios_exactly(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_a_float64_classification_run_logs_its_accuracy_exactly(tmp_path: Path) -> None:
     """Digits, logistic regression, 2 rounds in float64: ``val/acc`` is k/n of the final model on the validation
-    rows, written as the float64 ``repr(k / n)``; ``val/loss`` is their mean cross-entropy in float64."""
+    rows, written as the float64 ``repr(k / n)`` in ``metrics.csv`` and logged as that float to W&B (offline, read
+    back from its files); ``val/loss`` is their mean cross-entropy in float64."""
     small = ["model=logreg", "partition.num_clients=6", "algo.clients_per_round=3", "algo.local_steps=3"]
-    dm, module, _, rows = _fit(tmp_path, *small, "algo.rounds=2")
+    dm, module, trainer, rows = _fit(tmp_path, *small, "algo.rounds=2", "logger=[csv,wandb]")
+    finish(trainer)
     x, y = dm.data.x_val.to(f64), dm.data.y_val
     with torch.no_grad():
         logits = module.net(x)
     k, n = int((logits.argmax(-1) == y).sum()), len(y)
     assert 0 < k < n and _last(rows, "val/acc") == repr(k / n)
+    assert [row["val/acc"] for row in load_run(tmp_path).history if "val/acc" in row][-1] == k / n
     loss = math.fsum(F.cross_entropy(logits, y, reduction="none").tolist()) / n
     got = float(_last(rows, "val/loss"))
     assert got == pytest.approx(loss, rel=1e-14) and not _is_float32(got)
