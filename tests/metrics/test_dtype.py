@@ -110,7 +110,7 @@ def test_a_float64_lasso_run_logs_its_support_ratios_exactly(tmp_path: Path) -> 
     structure = "+algo.parts.structure._target_=flx.callbacks.structure.Structure"
     dm, module, trainer, rows = _fit(tmp_path, *lasso, "eval_test=true", structure)
     (part,) = [cb for cb in trainer.callbacks if isinstance(cb, Structure)]
-    w = module.federation.params[part._index(module.federation)].detach()
+    (w,) = [p.detach() for n, p in module.net.named_parameters() if n.endswith("weight")]  # Structure's "*weight"
     assert bool((w.abs() >= part.threshold).all()) and int((part.truths != 0).sum(1).unique()) == 4
     assert _last(rows, "val/support_precision") == "0.4" == repr(4 / 10)
     assert _last(rows, "val/support_recall") == "1.0" == _last(rows, "val/personal_support_recall_mean")
