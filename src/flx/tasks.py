@@ -72,6 +72,8 @@ class SplitMetrics(nn.Module):
 
     client_key: str | None = None  # the per-client metric's name; None: no per-client summary
     higher_is_better = True  # of the per-client metric: its worst client is the min (else the max)
+    # what the metrics compute in: float32, or float64 in a float64 run (set_value_dtype)
+    value_dtype = torch.float32
 
     def __init__(self, loss_fn: LossFn, num_clients: int = 0) -> None:
         super().__init__()
@@ -80,6 +82,21 @@ class SplitMetrics(nn.Module):
         # whether update_clients tracks each client's loss and rows: only W&B's per-client table reads them, so the
         # module switches it on with a W&B logger (on every rank alike)
         self.track_client_loss = False
+
+    def set_value_dtype(self, dtype: torch.dtype) -> None:
+        """Makes the metrics compute in ``dtype`` (:func:`flx.metrics.dtype.logged_dtype`): torchmetrics' own
+        metrics get their states in it (``set_dtype``: casting the module leaves them as built, in float32), flx's
+        per-client ones their result. Nothing changes for the float32 they were built in (counts stay integers).
+        Called before every evaluation: moving a torchmetrics metric (``.to(device)``) resets the dtype it casts its
+        inputs to back to float32, though its states stay float64."""
+        if dtype == self.value_dtype == torch.float32:
+            return
+        self.value_dtype = dtype
+        for metric in self.modules():
+            if isinstance(metric, (MeanMetric, MeanSquaredError, MulticlassAccuracy)):
+                metric.set_dtype(dtype)
+            elif isinstance(metric, (PerClientAccuracy, AUROCs)):
+                metric.value_dtype = dtype
 
     def update(self, outputs: Tensor, target: Tensor) -> None:
         """A batch of the split's rows: ``outputs`` of the net, ``target`` from the store."""
@@ -144,7 +161,7 @@ class ClassificationMetrics(SplitMetrics):
     def values(self) -> dict[str, Metric | Tensor]:
         out: dict[str, Metric | Tensor] = {"acc": self.acc, "loss": self.loss}
         if self.auc is not None:
-            out |= {key: value.float() for key, value in self.auc.compute().items()}
+            out |= {key: value.to(self.value_dtype) for key, value in self.auc.compute().items()}
             self.auc.reset()
         return out
 

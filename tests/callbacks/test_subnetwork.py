@@ -101,6 +101,32 @@ def test_the_window_holds_the_mean_fi_squared_by_hand() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_the_history_counts_rounds_as_fl_round_and_the_fisher_trace_has_a_line_per_client() -> None:
+    """Two rounds of 5 clients: the history's rounds are 1 and 2 (``fl/round``: rounds done, after the round); the
+    Fisher trace is one line per client, ``(clock, sqrt(mean FI^2))`` of each round it trained in. A checkpoint
+    written before the rounds were 1-based (no ``round_base``: rounds 0 and 1) loads as rounds 1 and 2."""
+    part = Subnetwork(track_fisher=True)
+    fed = fed_with([part], store([6] * 5))
+    run_rounds(fed, 2)
+    assert [h["round"] for h in part.history] == [1, 2] == [fed.server.round - 1, fed.server.round]
+    clocks = [h["clock"] for h in part.history]
+    trace = part.fisher_trace()
+    assert list(trace) == [f"client {c}" for c in range(5)]
+    for c in range(5):
+        assert trace[f"client {c}"] == [(clocks[r], part.history[r]["fi"][c]) for r in range(2)]
+        assert part.windows[c] == pytest.approx([v**2 for _, v in trace[f"client {c}"]], rel=1e-12)
+    state = part.state_dict()
+    again = Subnetwork()
+    again.load_state_dict(copy.deepcopy(state))
+    assert again.history == part.history
+    old = copy.deepcopy(state)
+    del old["round_base"]
+    for h in old["history"]:
+        h["round"] -= 1  # as flx wrote it before: 0-based
+    again.load_state_dict(old)
+    assert again.history == part.history
+
+
 def test_two_clients_at_two_widths_equal_the_hand_merge() -> None:
     """Clients 0 (width 1) and 1 (width 1/2, prefix), one full-batch step each, norm=none: client i's model is
     w - eta m_i * grad f_i(m_i * w) at its Scaler width; each entry is the mean over the clients that hold it."""

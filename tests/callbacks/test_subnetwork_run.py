@@ -43,7 +43,8 @@ def test_whale_logs_levels_fisher_and_the_clock(tmp_path: Path) -> None:
     assert logged(out, "sim/time_to_target") == pytest.approx([clock[0]] * 3, rel=1e-6)  # reached in round 1
     # whale.json: per round and client the level and sqrt(mean FI^2), and the clock; the logged values are its sums
     history = json.loads((out / "whale.json").read_text())["rounds"]
-    assert [h["round"] for h in history] == [0, 1, 2] and [h["clock"] for h in history] == pytest.approx(clock)
+    assert [h["round"] for h in history] == sorted(set(logged(out, ROUND))) == [1, 2, 3]  # fl/round's numbers
+    assert [h["clock"] for h in history] == pytest.approx(clock)
     for r, h in enumerate(history):
         assert [list(h["level"].values()).count(p) for p in range(1, 6)] == [v[r] for v in levels]
         assert sum(h["fi"].values()) / len(h["fi"]) == pytest.approx(logged(out, "whale/fi_mean")[r], rel=1e-6)
@@ -52,7 +53,7 @@ def test_whale_logs_levels_fisher_and_the_clock(tmp_path: Path) -> None:
 def test_whale_resume_equals_uninterrupted_and_writes_wandb_plots(tmp_path: Path) -> None:
     """4 rounds == 2 + 2 from the checkpoint: the model, the Fisher windows, the level history and the clock. The
     uninterrupted run logs to W&B offline (read back from its run files): the level / Fisher histograms each round,
-    the history table and the Fisher trace at the end."""
+    the history table (rounds numbered as ``fl/round``) and the Fisher trace at the end, a line per client."""
     base = ["algo=whale", "system=mobile20", *TINY]
     train(precheck([*base, "algo.rounds=4", "logger=wandb", f"paths.output_dir={tmp_path / 'a'}"]))
     train(precheck([*base, "algo.rounds=2", "logger=none", f"paths.output_dir={tmp_path / 'b'}"]))
@@ -75,9 +76,17 @@ def test_whale_resume_equals_uninterrupted_and_writes_wandb_plots(tmp_path: Path
     assert [row[ROUND] for row in hists] == [1, 2, 3, 4] and all("whale/fi_hist" in row for row in hists)
     assert [sum(row["whale/level_hist"]["values"]) for row in hists] == [6] * 4  # every client, every round
     ((_, table),) = run.tables("whale/history")
-    assert len(table) == 4 * 6 and {r["round"] for r in table} == {0, 1, 2, 3}
+    assert len(table) == 4 * 6 and {r["round"] for r in table} == {1, 2, 3, 4}
     assert [r["level"] for r in table] == [lvl for h in part_a["history"] for lvl in h["level"].values()]
-    assert run.tables("whale/fisher_trace_table")
+    _, rows = run.tables("whale/fisher_trace_table")[-1]
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        lines.setdefault(row["lineKey"], []).append((row["step"], row["lineVal"]))
+    history = part_a["history"]
+    assert list(lines) == [f"client {c}" for c in range(6)]
+    for c in range(6):
+        assert [x for x, _ in lines[f"client {c}"]] == pytest.approx([h["clock"] for h in history], rel=1e-12)
+        assert [y for _, y in lines[f"client {c}"]] == pytest.approx([h["fi"][c] for h in history], rel=1e-12)
 
 
 @pytest.mark.parametrize("algo", ["heterofl", "fedrolex", "feddropout", "whale_rolex", "whale_dropout"])

@@ -52,6 +52,7 @@ from flx.errors import bad_value
 from flx.evaluation import client_losses
 from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
+from flx.metrics.dtype import logged_dtype
 from flx.wandb_logging import log_line_series
 
 if TYPE_CHECKING:
@@ -289,7 +290,7 @@ class LambdaSampling(FederatedCallback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.lam is None or not trainer.loggers:
             return
-        lam = self.lam.float()
+        lam = self.lam.to(logged_dtype(trainer))  # float64 in a float64 run
         values = {"lambda/max": lam.max(), "lambda/min": lam.min()}
         if len(lam) <= MAX_LOGGED_CLIENTS:
             values |= {f"lambda/{i}": v for i, v in enumerate(lam)}

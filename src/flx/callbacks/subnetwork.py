@@ -44,7 +44,7 @@ from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
 from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
 from flx.sampling import derive_seed
-from flx.wandb_logging import ROUND, log_wandb, wandb_loggers
+from flx.wandb_logging import ROUND, log_line_series, log_wandb, wandb_loggers
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, RoundContext
@@ -55,6 +55,7 @@ _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches 
 #: our assumption (the paper gives no W^max, digest §7 item 10): the testbed's types from most to least capable
 MAX_LEVELS = {"MacBookPro2018": 1, "Xavier": 2, "TX2": 3, "Nano": 4, "RaspberryPi": 5}
 TE_BATCHES = ("batches", "steps", "samples")
+MAX_PLOTTED_CLIENTS = 20  # W&B's whale/fisher_trace: a line per client for the first this many (the table has all)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class Subnetwork(FederatedCallback):
         self._fed: Federation | None = None
         self._log: dict[str, float] = {}
         self._utils: list[float] = []  # this round's Util values (for calibrating U_th: whale/util_median)
-        # per round: {"round", "clock", "level": {cid: p}, "fi": {cid: sqrt(mean FI^2)}} -> whale.json, W&B
+        # per round: {"round" (1-based, as fl/round), "clock", "level": {cid: p}, "fi": {cid: sqrt(mean FI^2)}}
+        # -> whale.json, W&B
         self.history: list[dict[str, Any]] = []
         # the per-batch Fisher is the costliest part of a round; the fixed / full / SE-only schedulers never read it
         self.track_fisher = p.track_fisher if p.track_fisher is not None else p.scheduler in ("whale", "te_only")
@@ -207,7 +209,7 @@ class Subnetwork(FederatedCallback):
             self._log["whale/util_median"] = sorted(self._utils)[len(self._utils) // 2]
         fis = dict(zip(trained, rms)) if self.track_fisher else {}
         clock = fed.clock.elapsed if fed.clock is not None else None
-        self.history.append({"round": rnd.round, "clock": clock, "level": dict(self.levels), "fi": fis})
+        self.history.append({"round": rnd.round + 1, "clock": clock, "level": dict(self.levels), "fi": fis})
 
     # ------------------------------------------------------------------ client: masks, gradients, Fisher
     @override
@@ -296,7 +298,8 @@ class Subnetwork(FederatedCallback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``whale.json`` (every round's level and Fisher value per client, and the simulated clock) next to
-        ``curves.json``; with W&B, the same as a table ``whale/history`` and a line plot of the Fisher trace."""
+        ``curves.json``; with W&B, the same as a table ``whale/history`` and a line plot of the Fisher trace, one line
+        per client against the simulated clock."""
         if not trainer.is_global_zero or not self.history or trainer.fast_dev_run:
             return
         os.makedirs(trainer.default_root_dir, exist_ok=True)
@@ -314,19 +317,25 @@ class Subnetwork(FederatedCallback):
             for cid, lvl in h["level"].items():
                 device = fed.system.device_type(cid) if fed is not None else ""
                 table.add_data(h["round"], h["clock"], cid, device, lvl, wu.width(lvl, self.params.s), h["fi"].get(cid))
-        plots = {"whale/history": table}
-        if any(h["fi"] for h in self.history):
-            plots["whale/fisher_trace"] = wandb.plot.line(table, "sim_clock", "fisher", title="Fisher trace per client")
-        log_wandb(trainer, plots)
+        log_wandb(trainer, {"whale/history": table})
+        log_line_series(trainer, "whale/fisher_trace", self.fisher_trace(), "Fisher trace per client", "sim_clock")
+
+    def fisher_trace(self) -> dict[str, list[tuple[float, float]]]:
+        """``{"client <i>": [(clock, sqrt(mean FI^2)), ...]}``: each client's Fisher value at the simulated clock of
+        every round it trained in, for the first :data:`MAX_PLOTTED_CLIENTS` clients that have one."""
+        clients = sorted({cid for h in self.history for cid in h["fi"]})[:MAX_PLOTTED_CLIENTS]
+        return {f"client {c}": [(h["clock"], h["fi"][c]) for h in self.history if c in h["fi"]] for c in clients}
 
     # ------------------------------------------------------------------ checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:
         windows = [list(w) for w in self.windows]
-        return {"windows": windows, "time_to_target": self.time_to_target, "history": self.history}
+        return {"windows": windows, "time_to_target": self.time_to_target, "history": self.history, "round_base": 1}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.windows = [list(w) for w in state_dict["windows"]]
         self.time_to_target = state_dict.get("time_to_target")
-        self.history = list(state_dict.get("history", []))
+        # a checkpoint without "round_base" (flx before the history counted rounds as fl/round does) has 0-based ones
+        shift = 1 - state_dict.get("round_base", 0)
+        self.history = [{**h, "round": h["round"] + shift} for h in state_dict.get("history", [])]

@@ -11,8 +11,9 @@ the partial area up to ``max_fpr`` standardised by McClish (1989):
 with the ROC curve interpolated linearly at ``alpha = max_fpr`` and tied scores forming one ROC step. ``max_fpr=1``
 is the full AUROC.
 
-The maths is torchmetrics' ``binary_auroc`` (it matches sklearn to ~1e-7 on scores in [0, 1], ties included; its
-``max_fpr`` branch works in float32 internally, so pAUCs agree with sklearn to ~1e-7, not to float64 precision), with
+The maths is torchmetrics' ``binary_auroc`` (it matches sklearn to ~1e-7 on scores in [0, 1], ties included: it
+builds the ROC curve in the default dtype, float32; :class:`AUROCs` with ``value_dtype`` float64, as in a float64 run,
+builds it in float64 and agrees with sklearn to ~1e-16), with
 one deviation: torchmetrics applies a sigmoid when any score lies outside [0, 1], and the sigmoid saturates to exactly
 1.0 above ~17 in float32 (~37 in float64). Distinct large logits then become ties and the AUROC is wrong (e.g.
 0.667 instead of 1.0). Since AUROC depends only on the ranking, scores are first replaced by their dense rank scaled
@@ -32,6 +33,8 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_auroc as _tm_binary_auroc
 from torchmetrics.utilities import dim_zero_cat
+
+from flx.metrics.dtype import default_dtype
 
 
 def _check(scores: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,6 +127,8 @@ class AUROCs(Metric):
         self.max_fprs = tuple(float(m) for m in max_fprs)
         self.add_state("scores", [], dist_reduce_fx="cat")
         self.add_state("target", [], dist_reduce_fx="cat")
+        # what the ROC curve is computed in: float32 (torchmetrics' default), float64 in a float64 run
+        self.value_dtype = torch.float32
 
     def keys(self) -> tuple[str, ...]:
         """The keys :meth:`compute` returns: ``("auroc", "pauc_0.3", "pauc_0.5")`` by default."""
@@ -138,6 +143,7 @@ class AUROCs(Metric):
         """AUROC and pAUCs over every sample passed to ``update`` (on every process)."""
         scores, target = dim_zero_cat(self.scores), dim_zero_cat(self.target)
         ranks = _dense_rank01(scores)
-        out = {"auroc": _pauc_from_ranks(ranks, target, None)}
-        out.update({_key(m): _pauc_from_ranks(ranks, target, m) for m in self.max_fprs})
+        with default_dtype(self.value_dtype):
+            out = {"auroc": _pauc_from_ranks(ranks, target, None)}
+            out.update({_key(m): _pauc_from_ranks(ranks, target, m) for m in self.max_fprs})
         return out

@@ -85,6 +85,7 @@ class PerClientAccuracy(Metric):
         super().__init__(**kwargs)
         self.add_state("correct", torch.zeros(num_clients, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("total", torch.zeros(num_clients, dtype=torch.long), dist_reduce_fx="sum")
+        self.value_dtype = torch.float32  # of compute's result: float64 in a float64 run (the counts stay integers)
 
     def update(self, preds: Tensor, target: Tensor, client: Tensor, cells: ClientCells | None = None) -> None:
         """``preds``: predicted classes ``(B,)`` (``flx.models.heads.predict``), or logits ``(B, C)`` (argmax);
@@ -94,8 +95,8 @@ class PerClientAccuracy(Metric):
         add_per_client(self.total, client, torch.ones_like(client), cells)
 
     def compute(self) -> Tensor:
-        """Accuracy per client; NaN for a client without test samples."""
-        return self.correct.float() / self.total.float()
+        """Accuracy per client, in :attr:`value_dtype`; NaN for a client without test samples."""
+        return self.correct.to(self.value_dtype) / self.total.to(self.value_dtype)
 
 
 class PerClientMSE(Metric):

@@ -14,6 +14,7 @@ under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local it
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,11 +22,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
+from typing_extensions import override
 
 from flx.faults import Diverged
 from flx.federation import Federation
 from flx.hooks import FederatedCallback, overrides
 from flx.metrics.client_summary import SPREAD, spread, summarize
+from flx.metrics.dtype import logged_dtype
 from flx.metrics.sync import reduce_sums, summed
 from flx.tasks import Classification, Task
 from flx.wandb_logging import ROUND, log_wandb, wandb_loggers
@@ -96,6 +99,8 @@ class FederatedModule(pl.LightningModule):
         self.automatic_optimization = False
         sizes = num_clients if isinstance(num_clients, Mapping) else dict.fromkeys(("val", "test"), num_clients)
         self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, sizes[s]) for s in ("val", "test")})
+        # the dtype of logged values and of the metrics' results: float64 in a float64 run (set in setup)
+        self.logged_dtype = torch.float32
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -111,11 +116,21 @@ class FederatedModule(pl.LightningModule):
         # each client's evaluation loss and rows feed only W&B's per-client table: without W&B they are not computed
         # (a per-client loss per batch and a sync per evaluation); the loggers are the same on every rank
         tracked = any(isinstance(lg, WandbLogger) for lg in self.trainer.loggers)
+        self.logged_dtype = logged_dtype(self.trainer)
         for metrics in self.metrics.values():
             metrics.track_client_loss = tracked
         # before Lightning restores a checkpoint (after setup, before on_fit_start): a disk store must load it into
         # this rank's folder
         self.federation.store.bind_rank(self.trainer.global_rank, self.trainer.world_size)
+
+    @override
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``log``, except that in a float64 run a Python number is logged as a float64 tensor:
+        Lightning would make it one of the default dtype, float32 in the epoch-end hooks (:mod:`flx.metrics.dtype`).
+        The parts' ``log`` and ``log_dict`` calls come through here too."""
+        if self.logged_dtype == torch.float64 and isinstance(value, numbers.Number):
+            value = torch.tensor(value, dtype=torch.float64, device=self.device)
+        super().log(name, value, *args, **kwargs)
 
     # ------------------------------------------------------------------ federated training
     def on_fit_start(self) -> None:
@@ -248,7 +263,7 @@ class FederatedModule(pl.LightningModule):
         per_client = self.federation.evaluate_clients(data, self.task.client_metric)
         key = self.task.client_key
         for k, v in spread(per_client, self.task.higher_is_better).items():
-            self.log(f"{split}/{name}_{key}_{k}", v.float(), add_dataloader_idx=False)
+            self.log(f"{split}/{name}_{key}_{k}", v.to(self.logged_dtype), add_dataloader_idx=False)
         self._log_client_table(split, {f"{name}_{key}": per_client})
 
     def _check_finite(self, split: str) -> None:
@@ -272,6 +287,13 @@ class FederatedModule(pl.LightningModule):
             if loss_rows is not None:
                 columns |= {"loss": loss_rows[0], "samples": loss_rows[1]}
             self._log_client_table(split, columns)
+
+    def on_validation_epoch_start(self) -> None:
+        for metrics in self.metrics.values():  # after Lightning moved the module: see SplitMetrics.set_value_dtype
+            metrics.set_value_dtype(self.logged_dtype)
+
+    def on_test_epoch_start(self) -> None:
+        self.on_validation_epoch_start()
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
