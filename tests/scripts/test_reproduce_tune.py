@@ -55,3 +55,58 @@ def test_pfedfbe_tune_selects_on_its_own_seed_and_reports_the_step_size(
     assert tuned["lr"] == min(grid, key=lambda lr: tuned["scores"][f"{lr:g}"])
     table = (tmp_path / "table.md").read_text()
     assert "step size tuned over" in table and f"| FedAvg | {tuned['lr']:g} |" in table
+
+
+def test_tune_maximize_picks_the_highest_and_ranks_failures_lowest() -> None:
+    def score(v: float) -> float:
+        if v == 3.0:
+            raise RuntimeError("no best checkpoint")
+        return {1.0: 0.7, 2.0: 0.9, 4.0: math.nan, 5.0: 0.9}[v]
+
+    best, scores = common.tune([1.0, 2.0, 3.0, 4.0, 5.0], score, maximize=True, name="lambda")
+    assert best == 2.0  # the first of the tied highest
+    assert scores == {1.0: 0.7, 2.0: 0.9, 3.0: -math.inf, 4.0: -math.inf, 5.0: 0.9}
+    with pytest.raises(RuntimeError, match="every lambda of the grid"):
+        common.tune([1.0], lambda v: math.nan, maximize=True, name="lambda")
+
+
+def _recording(module: object, monkeypatch: pytest.MonkeyPatch, *keys: str) -> list[tuple[dict[str, float], int]]:
+    """Replaces ``module.run`` by the real run that also records each run's ``keys`` overrides and its seed."""
+    seen: list[tuple[dict[str, float], int]] = []
+    real_run = module.run
+
+    def run(args: list[str], seed: int, *rest: int) -> tuple:
+        values = dict(a.split("=", 1) for a in args if a.split("=", 1)[0] in keys)  # the last one of a key wins
+        seen.append(({k: float(v) for k, v in values.items()}, seed))
+        return real_run(args, seed, *rest)
+
+    monkeypatch.setattr(module, "run", run)
+    return seen
+
+
+@pytest.mark.slow
+def test_fedxl_tune_selects_on_the_validation_metric_of_its_own_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local Pair on Table 2 (KL-OPAUC): the step size of the grid with the highest best-round val/pauc_0.3 on
+    TUNE_SEED, then lambda likewise at that step size; the reported seed runs at both (two-point grids for time)."""
+    import fedxl
+
+    for name in ("BASE", "TABLE2", "TABLE3", "TUNED"):
+        value = getattr(fedxl, name)
+        monkeypatch.setattr(fedxl, name, {k: list(v) for k, v in value.items()} if name != "BASE" else list(value))
+    monkeypatch.setattr(fedxl, "TUNE_LR", (0.01, 1.0))
+    monkeypatch.setattr(fedxl, "TUNE_LAM", (1.0, 5.0))
+    seen = _recording(fedxl, monkeypatch, "algo.lr", "algo.lam")
+    argv = ["--tables", "table2", "--methods", "Local Pair", "--rounds", "1", "--seeds", "0", "--tune"]
+    fedxl.main([*argv, "--out", str(tmp_path)])
+    tuned = json.loads((tmp_path / "tuned.json").read_text())["table2"]["Local Pair"]
+    assert [s for _, s in seen[:-1]] == [common.TUNE_SEED] * 4  # the search, on the tuning seed only
+    assert [v["algo.lr"] for v, _ in seen[:2]] == [0.01, 1.0]
+    assert tuned["lr"] == max((0.01, 1.0), key=lambda lr: tuned["scores"][f"{lr:g}"])
+    assert seen[2:4] == [({"algo.lr": tuned["lr"], "algo.lam": lam}, common.TUNE_SEED) for lam in (1.0, 5.0)]
+    assert tuned["lam"] == max((1.0, 5.0), key=lambda lam: tuned["lam_scores"][f"{lam:g}"])
+    assert seen[-1] == ({"algo.lr": tuned["lr"], "algo.lam": tuned["lam"]}, 0)  # the reported run
+    table = (tmp_path / "table2.md").read_text()
+    assert f"step size tuned over {[0.01, 1.0]}" in table and "val/pauc_0.3" in table.splitlines()[0]
+    assert f"| Local Pair | {tuned['lr']:g} | {tuned['lam']:g} |" in table
