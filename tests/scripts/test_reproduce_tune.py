@@ -70,14 +70,22 @@ def test_tune_maximize_picks_the_highest_and_ranks_failures_lowest() -> None:
         common.tune([1.0], lambda v: math.nan, maximize=True, name="lambda")
 
 
-def _recording(module: object, monkeypatch: pytest.MonkeyPatch, *keys: str) -> list[tuple[dict[str, float], int]]:
-    """Replaces ``module.run`` by the real run that also records each run's ``keys`` overrides and its seed."""
-    seen: list[tuple[dict[str, float], int]] = []
+def _value(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _recording(module: object, monkeypatch: pytest.MonkeyPatch, *keys: str) -> list[tuple[dict, int]]:
+    """Replaces ``module.run`` by the real run that also records each run's ``keys`` overrides (numbers as floats;
+    the last one of a key, as Hydra takes it) and its seed."""
+    seen: list[tuple[dict, int]] = []
     real_run = module.run
 
     def run(args: list[str], seed: int, *rest: int) -> tuple:
-        values = dict(a.split("=", 1) for a in args if a.split("=", 1)[0] in keys)  # the last one of a key wins
-        seen.append(({k: float(v) for k, v in values.items()}, seed))
+        values = dict(a.split("=", 1) for a in args if a.split("=", 1)[0] in keys)
+        seen.append(({k: _value(v) for k, v in values.items()}, seed))
         return real_run(args, seed, *rest)
 
     monkeypatch.setattr(module, "run", run)
@@ -110,3 +118,34 @@ def test_fedxl_tune_selects_on_the_validation_metric_of_its_own_seed(
     table = (tmp_path / "table2.md").read_text()
     assert f"step size tuned over {[0.01, 1.0]}" in table and "val/pauc_0.3" in table.splitlines()[0]
     assert f"| Local Pair | {tuned['lr']:g} | {tuned['lam']:g} |" in table
+
+
+@pytest.mark.slow
+def test_drfa_tune_takes_eta_from_fedavg_then_q_on_its_own_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q-FedAvg alone: eta is tuned on FedAvg (the paper's "optimized for the FedAvg and used for all"), then q at that
+    eta, both on TUNE_SEED with validation rows held out, each the argmax of the final worst-client validation
+    accuracy; the reported run (no held-out rows) uses both (two-point grids for time)."""
+    import drfa
+
+    monkeypatch.setattr(drfa, "BASE", list(drfa.BASE))
+    monkeypatch.setattr(drfa, "TUNED", {})
+    monkeypatch.setattr(drfa, "TUNE_LR", (0.01, 1.0))
+    monkeypatch.setattr(drfa, "TUNE_Q", (0.2, 5.0))
+    seen = _recording(drfa, monkeypatch, "algo", "algo.lr", "algo.q", "data.val_fraction")
+    drfa.main(["--methods", "q-FedAvg", "--rounds", "1", "--seeds", "0", "--tune", "--out", str(tmp_path)])
+    tuned = json.loads((tmp_path / "tuned.json").read_text())
+    lr, q = tuned["FedAvg"]["lr"], tuned["q-FedAvg"]["q"]
+    assert [s for _, s in seen[:-1]] == [common.TUNE_SEED] * 4  # the search, on the tuning seed only
+    fedavg = [{"algo": "fedavg", "algo.lr": x, "data.val_fraction": 0.2} for x in (0.01, 1.0)]
+    assert [v for v, _ in seen[:2]] == fedavg
+    assert lr == max((0.01, 1.0), key=lambda x: tuned["FedAvg"]["lr_scores"][f"{x:g}"])
+    assert [v for v, _ in seen[2:4]] == [
+        {"algo": "qfedavg", "algo.lr": lr, "algo.q": x, "data.val_fraction": 0.2} for x in (0.2, 5.0)
+    ]
+    assert q == max((0.2, 5.0), key=lambda x: tuned["q-FedAvg"]["q_scores"][f"{x:g}"])
+    assert seen[-1] == ({"algo": "qfedavg", "algo.lr": lr, "algo.q": q}, 0)  # the reported run ...
+    assert "data.val_fraction=0" in drfa.BASE  # ... with every training row in a client
+    table = (tmp_path / "table.md").read_text()
+    assert f"tuned on seed {common.TUNE_SEED}" in table and f"| q-FedAvg | 10 | {lr:g} | q = {q:g} |" in table
