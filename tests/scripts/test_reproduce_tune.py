@@ -120,12 +120,21 @@ def test_fedxl_tune_selects_on_the_validation_metric_of_its_own_seed(
     assert f"| Local Pair | {tuned['lr']:g} | {tuned['lam']:g} |" in table
 
 
+def test_drfa_late_score_is_the_mean_of_the_last_quarter_of_the_rounds() -> None:
+    import drfa
+
+    curve = [(1, 0.5), (2, 0.6), (3, 0.7), (4, 0.8), (5, 0.9), (6, 1.0), (7, 0.2), (8, 0.4)]
+    assert drfa.late(curve, 8) == pytest.approx((0.2 + 0.4) / 2)  # rounds 7 and 8: 8 // 4 = 2 of them
+    assert drfa.late(curve[:3], 3) == 0.7 and drfa.late(curve[:1], 1) == 0.5  # at least the last round
+    assert math.isnan(drfa.late([], 8))
+
+
 @pytest.mark.slow
 def test_drfa_tune_takes_eta_from_fedavg_then_q_on_its_own_seed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """q-FedAvg alone: eta is tuned on FedAvg (the paper's "optimized for the FedAvg and used for all"), then q at that
-    eta, both on TUNE_SEED with validation rows held out, each the argmax of the final worst-client validation
+    eta, both on TUNE_SEED with validation rows held out, each the argmax of the late worst-client validation
     accuracy; the reported run (no held-out rows) uses both (two-point grids for time)."""
     import drfa
 
