@@ -90,12 +90,17 @@ the runs it is then reported with."""
 
 
 def tune(
-    grid: Sequence[float], score: Callable[[float], float], maximize: bool = False, name: str = "step size"
+    grid: Sequence[float],
+    score: Callable[[float], float],
+    maximize: bool = False,
+    name: str = "step size",
+    prefer: float | None = None,
 ) -> tuple[float, dict[float, float]]:
     """The value of ``grid`` with the best ``score`` (a run's value of the selection metric: the lowest, or the
     highest with ``maximize``), and every score. A run that diverged or failed (an exception, a nan or an infinite
-    score) ranks last: its score is recorded as ``inf`` (``-inf`` with ``maximize``). Ties go to the first in
-    ``grid``; a grid on which every run diverged raises. ``name``: what the grid holds, for the messages."""
+    score) ranks last: its score is recorded as ``inf`` (``-inf`` with ``maximize``). Ties go to ``prefer`` (e.g. the
+    paper's value) if it is among them, else to the first in ``grid``; a grid on which every run diverged raises.
+    ``name``: what the grid holds, for the messages."""
     worst = -math.inf if maximize else math.inf
     scores: dict[float, float] = {}
     for value in grid:
@@ -106,10 +111,11 @@ def tune(
             print(f"  {name} {value:g}: failed ({why})", flush=True)
             got = worst
         scores[value] = got if math.isfinite(got) else worst
-    best = (max if maximize else min)(grid, key=lambda v: scores[v])
-    if not math.isfinite(scores[best]):
+    top = (max if maximize else min)(scores.values())
+    if not math.isfinite(top):
         raise RuntimeError(f"every {name} of the grid {list(grid)} diverged")
-    return best, scores
+    tied = [v for v in grid if scores[v] == top]
+    return (prefer if prefer in tied else tied[0]), scores
 
 
 def save_tuned(path: Path, tuned: dict) -> None:

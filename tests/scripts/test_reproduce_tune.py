@@ -68,6 +68,15 @@ def test_tune_maximize_picks_the_highest_and_ranks_failures_lowest() -> None:
     assert scores == {1.0: 0.7, 2.0: 0.9, 3.0: -math.inf, 4.0: -math.inf, 5.0: 0.9}
     with pytest.raises(RuntimeError, match="every lambda of the grid"):
         common.tune([1.0], lambda v: math.nan, maximize=True, name="lambda")
+    assert common.tune([1.0, 2.0, 3.0, 4.0, 5.0], score, maximize=True, prefer=5.0)[0] == 5.0  # tied: preferred
+    assert common.tune([1.0, 2.0, 3.0, 4.0, 5.0], score, maximize=True, prefer=1.0)[0] == 2.0  # not among the best
+
+
+def _argmax(grid: tuple[float, ...], scores: dict[str, float], prefer: float | None = None) -> float:
+    """The selection rule written out: the highest score, ties to ``prefer`` if tied, else to the first."""
+    top = max(scores[f"{x:g}"] for x in grid)
+    tied = [x for x in grid if scores[f"{x:g}"] == top]
+    return prefer if prefer in tied else tied[0]
 
 
 def _value(text: str) -> float | str:
@@ -111,9 +120,9 @@ def test_fedxl_tune_selects_on_the_validation_metric_of_its_own_seed(
     tuned = json.loads((tmp_path / "tuned.json").read_text())["table2"]["Local Pair"]
     assert [s for _, s in seen[:-1]] == [common.TUNE_SEED] * 4  # the search, on the tuning seed only
     assert [v["algo.lr"] for v, _ in seen[:2]] == [0.01, 1.0]
-    assert tuned["lr"] == max((0.01, 1.0), key=lambda lr: tuned["scores"][f"{lr:g}"])
+    assert tuned["lr"] == _argmax((0.01, 1.0), tuned["scores"])
     assert seen[2:4] == [({"algo.lr": tuned["lr"], "algo.lam": lam}, common.TUNE_SEED) for lam in (1.0, 5.0)]
-    assert tuned["lam"] == max((1.0, 5.0), key=lambda lam: tuned["lam_scores"][f"{lam:g}"])
+    assert tuned["lam"] == _argmax((1.0, 5.0), tuned["lam_scores"])
     assert seen[-1] == ({"algo.lr": tuned["lr"], "algo.lam": tuned["lam"]}, 0)  # the reported run
     table = (tmp_path / "table2.md").read_text()
     assert f"step size tuned over {[0.01, 1.0]}" in table and "val/pauc_0.3" in table.splitlines()[0]
@@ -149,11 +158,11 @@ def test_drfa_tune_takes_eta_from_fedavg_then_q_on_its_own_seed(
     assert [s for _, s in seen[:-1]] == [common.TUNE_SEED] * 4  # the search, on the tuning seed only
     fedavg = [{"algo": "fedavg", "algo.lr": x, "data.val_fraction": 0.2} for x in (0.01, 1.0)]
     assert [v for v, _ in seen[:2]] == fedavg
-    assert lr == max((0.01, 1.0), key=lambda x: tuned["FedAvg"]["lr_scores"][f"{x:g}"])
+    assert lr == _argmax((0.01, 1.0), tuned["FedAvg"]["lr_scores"], drfa.PAPER["lr"])
     assert [v for v, _ in seen[2:4]] == [
         {"algo": "qfedavg", "algo.lr": lr, "algo.q": x, "data.val_fraction": 0.2} for x in (0.2, 5.0)
     ]
-    assert q == max((0.2, 5.0), key=lambda x: tuned["q-FedAvg"]["q_scores"][f"{x:g}"])
+    assert q == _argmax((0.2, 5.0), tuned["q-FedAvg"]["q_scores"], drfa.PAPER["q"])
     assert seen[-1] == ({"algo": "qfedavg", "algo.lr": lr, "algo.q": q}, 0)  # the reported run ...
     assert "data.val_fraction=0" in drfa.BASE  # ... with every training row in a client
     table = (tmp_path / "table.md").read_text()
