@@ -253,7 +253,8 @@ def _how(tuned: bool) -> str:
         f"tuned on seed {TUNE_SEED} by the worst-client accuracy over the last quarter of the rounds, on 20% of the "
         "training rows held out "
         f"(tuned.json): eta over {list(TUNE_LR)} on FedAvg and used for every method, then gamma over "
-        f"{list(TUNE_GAMMA)} for DRFA (its tau and authors'-code rows at DRFA's) and for AFL, q over {list(TUNE_Q)}"
+        f"{list(TUNE_GAMMA)} for DRFA (its tau and authors'-code rows at DRFA's) and for AFL, q over {list(TUNE_Q)}; "
+        "ties to the paper's value"
     )
 
 
