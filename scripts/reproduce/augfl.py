@@ -17,6 +17,12 @@ with a message when the files are not under ``paths.data_dir``). Methods: FedAvg
 FedAvg + FT (one step of alpha on the support set), Per-FedAvg (FO) and (HF), AugFL without PM (lambda = 0), AugFL
 with PM. Seeds vary the initial model and the partition's clients (``partition.seed``); the data split is fixed.
 
+Hyper-parameters: no ``--tune``. The paper gives AugFL's values (Sec. VI-A and Table I: alpha 0.03, rho 0.7,
+lambda 5, the last chosen from its Fig. 8 sweep as "consistently" good) and says nothing about how its baselines'
+step sizes were chosen, nor that it tuned them; its values are used as given, and the baselines run untuned at AugFL's
+alpha (FedAvg's local step and fine-tuning step 0.03, Per-FedAvg's beta = alpha = 0.03, 5 local steps). The table's
+header line says so, and its "step sizes" column gives every row's values (read from the composed config).
+
 Writes ``docs/results/augfl/{table.md,table.csv,<setting>.png}``.
 """
 
@@ -68,6 +74,15 @@ METHODS = {  # name -> overrides
     "AugFL w/o PM": ["algo=augfl", "algo.lam=0"],
     "AugFL w/ PM": ["algo=augfl"],
 }
+STEP_KEYS = {  # algo name -> (label, algo key) of the step sizes and weights the table names for its rows
+    "fedavg_ft": (("lr", "lr"), ("adapt", "adapt_lr")),
+    "per_fedavg": (("beta", "lr"), ("alpha", "alpha")),
+    "augfl": (("alpha", "alpha"), ("rho", "rho"), ("lambda", "lam")),
+}
+HOW = (
+    "hyper-parameters not tuned: AugFL at the paper's Table I values, the baselines (whose settings the paper does "
+    "not give) at AugFL's alpha; the step sizes column"
+)
 COLUMNS = [
     ("held-out acc, 1 step (%)", "test/personal_acc_mean"),
     ("held-out worst client (%)", "test/personal_acc_worst"),
@@ -84,6 +99,18 @@ def run(args: list[str], seed: int, rounds: int, every: int) -> tuple[dict, dict
         final = train(precheck(over))
         curves = json.loads((Path(out) / "curves.json").read_text())
     return final, curves
+
+
+def step_sizes(args: list[str]) -> str:
+    """The step sizes (and AugFL's rho, lambda) a run with ``args`` takes from its config, e.g. ``lr 0.03, adapt 0``
+    (``adapt`` is 0 when the held-out clients are not adapted)."""
+    from flx.config import precheck
+
+    algo = precheck([*BASE, *args, "paths.output_dir=/tmp/flx_augfl_step_sizes"]).algo
+    values = {label: float(algo[key]) for label, key in STEP_KEYS.get(algo.name, (("lr", "lr"),))}
+    if algo.name == "fedavg_ft" and algo.adapt_steps == 0:
+        values["adapt"] = 0.0
+    return ", ".join(f"{label} {v:g}" for label, v in values.items())
 
 
 def available(setting: str) -> bool:
@@ -106,7 +133,7 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     command = "python scripts/reproduce/augfl.py " + " ".join(argv)
-    lines = [f"Produced by `{command.strip()}` (seeds {seeds}; mean ± std over seeds, in %).", ""]
+    lines = [f"Produced by `{command.strip()}` (seeds {seeds}; mean ± std over seeds, in %; {HOW}).", ""]
     rows_csv = []
     OUT.mkdir(parents=True, exist_ok=True)
     for setting in args.settings:
@@ -119,22 +146,25 @@ def main(argv: list[str]) -> None:
         table, curves = [], {}
         for method in args.methods:
             results = []
+            over = [*data, *METHODS[method], *(pm_over if method == "AugFL w/ PM" else []), *args.set]
+            steps = step_sizes(over)
             for seed in seeds:
-                over = [*data, *METHODS[method], *(pm_over if method == "AugFL w/ PM" else []), *args.set]
                 final, curve = run(over, seed, rounds, every)
                 results.append(final)
                 curves.setdefault(method, curve)
                 acc = final.get("test/personal_acc_mean", math.nan)
                 print(f"{setting} {method} seed={seed}: held-out acc {acc:.4f}", flush=True)
             cells = [mean_std([r.get(key, math.nan) for r in results], 100, 2) for _, key in COLUMNS]
-            table.append([method, *cells])
-            rows_csv.append([setting, method, rounds, len(seeds), *cells])
-        lines += [f"### {label}, {rounds} rounds", "", "| method | " + " | ".join(h for h, _ in COLUMNS) + " |"]
-        lines += ["|" + "---|" * (len(COLUMNS) + 1), *("| " + " | ".join(r) + " |" for r in table), ""]
+            table.append([method, steps, *cells])
+            rows_csv.append([setting, method, rounds, len(seeds), steps, *cells])
+        head = "| method | step sizes | " + " | ".join(h for h, _ in COLUMNS) + " |"
+        lines += [f"### {label}, {rounds} rounds", "", head]
+        lines += ["|" + "---|" * (len(COLUMNS) + 2), *("| " + " | ".join(r) + " |" for r in table), ""]
         plot_curves(OUT / f"{setting}.png", label, curves, ("test/personal_acc_mean", "train/loss"))
     (OUT / "table.md").write_text("\n".join(lines))
     with open(OUT / "table.csv", "w", newline="") as f:
-        csv.writer(f).writerows([["setting", "method", "rounds", "seeds", *(h for h, _ in COLUMNS)], *rows_csv])
+        head = ["setting", "method", "rounds", "seeds", "step sizes", *(h for h, _ in COLUMNS)]
+        csv.writer(f).writerows([head, *rows_csv])
     print((OUT / "table.md").read_text())
 
 

@@ -89,26 +89,37 @@ TUNE_SEED = 1000
 the runs it is then reported with."""
 
 
-def tune(grid: Sequence[float], score: Callable[[float], float]) -> tuple[float, dict[float, float]]:
-    """The step size of ``grid`` with the lowest ``score`` (a run's final value of the selection metric, lower is
-    better; ``inf`` for a run that diverged or failed), and every score. Ties go to the first in ``grid``; a grid on
-    which every run diverged raises."""
+def tune(
+    grid: Sequence[float],
+    score: Callable[[float], float],
+    maximize: bool = False,
+    name: str = "step size",
+    prefer: float | None = None,
+) -> tuple[float, dict[float, float]]:
+    """The value of ``grid`` with the best ``score`` (a run's value of the selection metric: the lowest, or the
+    highest with ``maximize``), and every score. A run that diverged or failed (an exception, a nan or an infinite
+    score) ranks last: its score is recorded as ``inf`` (``-inf`` with ``maximize``). Ties go to ``prefer`` (e.g. the
+    paper's value) if it is among them, else to the first in ``grid``; a grid on which every run diverged raises.
+    ``name``: what the grid holds, for the messages."""
+    worst = -math.inf if maximize else math.inf
     scores: dict[float, float] = {}
-    for lr in grid:
+    for value in grid:
         try:
-            value = float(score(lr))
+            got = float(score(value))
         except Exception as e:  # noqa: BLE001 - a diverged or failed run ranks last, whatever stopped it
-            print(f"  lr={lr:g}: failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", flush=True)
-            value = math.inf
-        scores[lr] = value if math.isfinite(value) else math.inf
-    best = min(grid, key=lambda lr: scores[lr])
-    if not math.isfinite(scores[best]):
-        raise RuntimeError(f"every step size of the grid {list(grid)} diverged")
-    return best, scores
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"  {name} {value:g}: failed ({why})", flush=True)
+            got = worst
+        scores[value] = got if math.isfinite(got) else worst
+    top = (max if maximize else min)(scores.values())
+    if not math.isfinite(top):
+        raise RuntimeError(f"every {name} of the grid {list(grid)} diverged")
+    tied = [v for v in grid if scores[v] == top]
+    return (prefer if prefer in tied else tied[0]), scores
 
 
 def save_tuned(path: Path, tuned: dict) -> None:
-    """Writes the tuned step sizes (``{setting: {method: {"lr", "scores", "seed", "rounds", "metric"}}}``) next to
+    """Writes the tuned values (e.g. ``{setting: {method: {"lr", "scores", "seed", "rounds", "metric"}}}``) next to
     the table, so that a reader sees what was searched and what each candidate scored."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
