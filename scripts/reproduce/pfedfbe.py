@@ -1,4 +1,4 @@
-"""Reproduce pFedFBE's experiments (anonymous ICLR submission, §4.1-4.3; digest shared/papers/pfedfbe.md §3-4).
+"""Reproduce pFedFBE's experiments (anonymous ICLR submission, Sec. 4.1-4.3, Figs. 1-6).
 
     .venv/bin/python scripts/reproduce/pfedfbe.py                        # every setting, 3 seeds, the paper's rounds
     .venv/bin/python scripts/reproduce/pfedfbe.py --quick                # 1 seed, few rounds (smoke)

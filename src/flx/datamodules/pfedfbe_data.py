@@ -1,7 +1,8 @@
 r"""Generated data of pFedFBE's convex experiments: federated Lasso (settings I and II) and federated matrix completion.
 
 Paper: "Personalized Federated Composite Learning with Forward-Backward Envelopes" (pFedFBE; anonymous ICLR
-submission), Sections 4.1 and 4.2; digest ``papers/pfedfbe.md`` §3.1, §3.2 and §5 items 10-14.
+submission), Sections 4.1 and 4.2; where the paper is silent or ambiguous, the choices are listed below
+and in docs/data.md.
 
 Each of the ``N`` clients :math:`j` has an input distribution of its own, a mean shift drawn once, and a ground truth
 :math:`w_j^\star` (shared by all clients in Lasso setting I):
