@@ -14,7 +14,7 @@ held-out rows of its own distribution (`client_eval=test_group`; the paper has n
 5e-4, lambda = 2000 (MNIST 5e-3, 200). The paper tuned the baselines' step sizes and does not report them: every
 method here uses pFedFBE's eta (none diverges at it; larger ones diverge on these problems, L ~ 1e3), and pFedMe's
 inner step nu = eta on the synthetic data (its default 0.09 diverges there). Methods without personalisation are
-evaluated with the global model as their personalised model (§3.1). Seeds vary the initial sampling and batches;
+evaluated with the global model as their personalised model (Sec. 4.1). Seeds vary the initial sampling and batches;
 the generated data are fixed (`data.split_seed`).
 
 Writes `docs/results/pfedfbe/{table.md,table.csv,<setting>.png}`: per setting and method, the final training
@@ -86,7 +86,7 @@ def overrides(setting: str, method: str) -> list[str]:
     out = [f"algo={algo}", *data, f"algo.lr={eta}", f"+algo.parts.objective.regularizer={h}"]
     if composite:
         out.append(f"algo.regularizer={h}")
-    if method in ("FedMiD", "FedDualAvg"):  # no personalisation: the global model is the personalised one (§3.1)
+    if method in ("FedMiD", "FedDualAvg"):  # no personalisation: the global model is the personalised one (Sec. 4.1)
         out += ["+algo.parts.personal_model._target_=flx.callbacks.personal_model.PersonalModel"]
         out += ["+algo.parts.personal_model.model=global"]
     if method == "pFedFBE":
