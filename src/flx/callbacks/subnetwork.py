@@ -1,9 +1,10 @@
 r"""Sub-network scheduling: each client trains a width sub-model of ONE full-width net, its level chosen per round.
 
 H. Su et al., "WHALE-FL: Wireless and Heterogeneity Aware Latency Efficient Federated Learning over Mobile Devices via
-Adaptive Subnetwork Scheduling", 2024 (section "WHALE-FL Design", Eqs. 1-10). Also the fixed-size baselines it extends:
-HeteroFL (Diao et al., ICLR 2021; prefix channels), FedRolex (Alam et al., NeurIPS 2022; rolling) and Federated
-Dropout (Caldas et al., 2018; random channels). Per round ``r`` and client ``i`` (the paper's Eqs. 4-9):
+Adaptive Subnetwork Scheduling", 2024 (Eqs. 1-2 in "FL with Subnetwork Extraction", Eqs. 3-10 in "Fisher Information"
+and "WHALE-FL Design"). Also the fixed-size baselines it extends: HeteroFL (Diao et al., ICLR 2021; prefix channels),
+FedRolex (Alam et al., NeurIPS 2022; rolling) and Federated Dropout (Caldas et al., 2018; random channels). Per round
+``r`` and client ``i`` (the paper's Eqs. 4-9):
 
 .. math::
     p_{i,r} = \max\big(\hat p(\min(TE_{i,r} SE_{i,r}^{\beta} / U_{th}, 1)),\ p_i^{max}\big), \qquad

@@ -2,9 +2,10 @@ r"""WHALE-FL's scheduling maths as pure functions: the per-batch Fisher informat
 utility and its quantisation into a sub-network level.
 
 H. Su, J. Geng, L. Li, X. Qin, Y. Hou, H. Wang, X. Fu, M. Pan, "WHALE-FL: Wireless and Heterogeneity Aware Latency
-Efficient Federated Learning over Mobile Devices via Adaptive Subnetwork Scheduling", 2024 (section "WHALE-FL Design",
-Eqs. 3-9). Symbols: ``FI`` the scalar Fisher information of a batch, ``B`` the client's batches, ``D`` the window of
-past rounds, ``T`` the preferred round time, ``beta`` the exponent of SE, ``U_th`` the threshold, ``P`` the levels:
+Efficient Federated Learning over Mobile Devices via Adaptive Subnetwork Scheduling", 2024 (Eq. 3 in "Fisher
+Information", Eqs. 4-9 in "WHALE-FL Design"). Symbols: ``FI`` the scalar Fisher information of a batch, ``B`` the
+client's batches, ``D`` the window of past rounds, ``T`` the preferred round time, ``beta`` the exponent of SE, ``U_th``
+the threshold, ``P`` the levels:
 
 .. math::
     TE = |\mathbf B| \sqrt{\tfrac{1}{|\mathbf B| |\mathbf D|} \textstyle\sum_{k, d} FI_{r-d}(k)^2}    \quad(5)
