@@ -6,21 +6,22 @@
         '+server.models.pm={model: {_target_: flx.models.resnet_cifar.ResNetCIFAR, depth: 32}, checkpoint: pm/...pt}'
 
 AugFL (Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models") gives the
-server a PM "trained on 10,000 images ... not overlapping with the client data" (Section VI; digest ``augfl.md`` §4,
-§6.1 item 7, §6.2). The arguments that are not options are Hydra overrides composed exactly as ``train.py`` composes
-them (:func:`flx.config.precheck`), and the data are built as a run builds them (``FederatedDataModule`` with the
-run's data protocol): ``data=cifar100 data.server_fraction=0.2`` gives the PM the very rows, scaled the same way
-(standardised with the client-side rows' statistics), that a run with those keys keeps on the server. The file is
-``torch.save(net.state_dict())`` of the net of ``model=``, read by ``server.models.<name>: {model: <that model
-config>, checkpoint: <file>}`` (:func:`flx.models.frozen.load_frozen`); the script prints that entry.
+server a PM "trained on 10,000 images ... not overlapping with the client data" (Section VI-A; the paper does not say
+whether those are the server's knowledge-transfer rows; ours: they are). The arguments that are not options are Hydra
+overrides composed exactly as ``train.py`` composes them (:func:`flx.config.precheck`), and the data are built as a run
+builds them (``FederatedDataModule`` with the run's data protocol): ``data=cifar100 data.server_fraction=0.2`` gives the
+PM the very rows, scaled the same way (standardised with the client-side rows' statistics), that a run with those keys
+keeps on the server. The file is ``torch.save(net.state_dict())`` of the net of ``model=``, read by
+``server.models.<name>: {model: <that model config>, checkpoint: <file>}`` (:func:`flx.models.frozen.load_frozen`); the
+script prints that entry.
 
 Training is plain PyTorch (:func:`flx.models.pretrain.fit`, which a run that trains its own PM shares): SGD with
 momentum on the task's loss (softmax cross-entropy), minibatches shuffled each epoch, ``--schedule step`` (x0.1 at 5/8,
 3/4 and 7/8 of the epochs, or ``--milestones``) or ``cosine`` (per epoch), seeded by the config's ``seed``. The defaults
-are the official code's teacher recipe (digest §6.2: SGD, lr 0.05, momentum 0.9, weight decay 5e-4, batch 64, 240
-epochs, decay at 150/180/210); its random crop (padding 4) and horizontal flip are ``--augment crop_flip`` (off by
-default: flips are wrong for digits and letters). At the end the PM's accuracy on the test split (eval mode) is printed
-as ``final test_acc=<value>``.
+are the teacher recipe of the authors' released code (github.com/zerui981105/AugFL, ``train_teacher_model.py``: SGD, lr
+0.05, momentum 0.9, weight decay 5e-4, batch 64, 240 epochs, decay at 150/180/210); its random crop (padding 4) and
+horizontal flip are ``--augment crop_flip`` (off by default: flips are wrong for digits and letters). At the end the
+PM's accuracy on the test split (eval mode) is printed as ``final test_acc=<value>``.
 
 Refusals, one line on stderr and exit status 2: no server split (``data.server_fraction=0`` and no ``server`` rows in
 a ``data.split_file``), an existing ``--out`` without ``--force``, a task that is not classification, any config error

@@ -1,4 +1,4 @@
-"""A one-node SLURM cluster on localhost for tests (shared/recipes/slurm-local.md): installs Debian's slurm-wlm and
+"""A one-node SLURM cluster on localhost for tests: installs Debian's slurm-wlm and
 munge if missing, starts munged, slurmctld and slurmd with a config in a temporary folder, and stops what it started.
 Any step that cannot be done here (not root, no package, a daemon that does not come up) skips the test with the
 reason."""

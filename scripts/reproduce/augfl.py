@@ -1,4 +1,4 @@
-"""Reproduce AugFL's comparison (Table II shape: baselines, AugFL without and with the PM; digest augfl.md §4-5).
+"""Reproduce AugFL's comparison (Table II shape: baselines, AugFL without and with the PM; Section VI).
 
     .venv/bin/python scripts/reproduce/augfl.py                       # embedded digits, 3 seeds, 100 rounds
     .venv/bin/python scripts/reproduce/augfl.py --quick               # 1 seed, 3 rounds (smoke)

@@ -5,7 +5,7 @@
     .venv/bin/python scripts/reproduce/drfa.py --data fashion_mnist   # the paper's data (files under data/)
     .venv/bin/python scripts/reproduce/drfa.py --tune     # eta, gamma and q tuned first, as the paper's Appendix A
 
-Protocol (paper §6 / digest §4.1 E1-E2): N=10 clients, each holding one class (`partition=one_class_per_client`),
+Protocol (paper Sec. 6, Figs. 1-2): N=10 clients, each holding one class (`partition=one_class_per_client`),
 each measured on the test rows of its class (`client_eval=test_labels`), logistic regression started from zeros
 (`model.init=zeros`, as in the authors' code; the paper does not say), eta 0.1, batch 50, m = N,
 gamma 8e-3 for DRFA and AFL, q 0.2 for q-FedAvg, tau in {5, 10, 15} for DRFA and tau 10 for the baselines; AFL is

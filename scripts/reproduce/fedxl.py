@@ -6,10 +6,10 @@
                                                            # the paper's data (files under data/), 20k iterations
     .venv/bin/python scripts/reproduce/fedxl.py --tune     # every method's step size (and lambda) tuned first
 
-Protocol (paper §3 / digest §3): N=16 clients (stratified shards) with per-client input noise
+Protocol (paper Sec. 4): N=16 clients (stratified shards) with per-client input noise
 N(-0.08 + 0.01 i, 0.2^2), K=32 local steps, B1=B2=32, the same seeds for every method; the data, their split and
 the partition are fixed (``data.split_seed``, ``partition.seed``), the seeds vary initialisation and sampling. As
-the paper (its §5 and Table 5), 20% of the training rows are held out for validation (``data.val_fraction=0.2``,
+the paper (its Sec. 4 and Table 5), 20% of the training rows are held out for validation (``data.val_fraction=0.2``,
 carved before the 1:5 subsample and the label flips, so the validation labels are clean) and the round that is best
 on validation is tested (``test_on=best``); the paper does not say which validation metric selects, so each table
 selects on its own metric (``checkpoint.monitor``: val/pauc_0.3, val/auroc). ChestMNIST's own validation split is not

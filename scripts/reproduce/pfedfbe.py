@@ -1,4 +1,4 @@
-"""Reproduce pFedFBE's experiments (anonymous ICLR submission, §4.1-4.3; digest shared/papers/pfedfbe.md §3-4).
+"""Reproduce pFedFBE's experiments (anonymous ICLR submission, Sec. 4.1-4.3, Figs. 1-6).
 
     .venv/bin/python scripts/reproduce/pfedfbe.py                        # every setting, 3 seeds, the paper's rounds
     .venv/bin/python scripts/reproduce/pfedfbe.py --quick                # 1 seed, few rounds (smoke)
@@ -18,7 +18,7 @@ none of the reported seeds) by the final training objective, and the table names
 (`tuned.json` holds every candidate's score); without it every method uses pFedFBE's eta (none diverges at it;
 larger ones diverge on these problems, L ~ 1e3). pFedMe's inner step nu = eta (not tuned) on the synthetic data (its
 default 0.09 diverges there). Methods without personalisation are
-evaluated with the global model as their personalised model (§3.1). Seeds vary the initial sampling and batches;
+evaluated with the global model as their personalised model (Sec. 4.1). Seeds vary the initial sampling and batches;
 the generated data are fixed (`data.split_seed`).
 
 Writes `docs/results/pfedfbe/{table.md,table.csv,<setting>.png}`: per setting and method, the final training
@@ -95,7 +95,7 @@ def overrides(setting: str, method: str, lr: float | None = None) -> list[str]:
     out = [f"algo={algo}", *data, f"algo.lr={lr or eta}", f"+algo.parts.objective.regularizer={h}"]
     if composite:
         out.append(f"algo.regularizer={h}")
-    if method in ("FedMiD", "FedDualAvg"):  # no personalisation: the global model is the personalised one (§3.1)
+    if method in ("FedMiD", "FedDualAvg"):  # no personalisation: the global model is the personalised one (Sec. 4.1)
         out += ["+algo.parts.personal_model._target_=flx.callbacks.personal_model.PersonalModel"]
         out += ["+algo.parts.personal_model.model=global"]
     if method == "pFedFBE":

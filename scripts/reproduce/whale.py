@@ -1,16 +1,17 @@
-"""Reproduce WHALE-FL's comparison (Tables 1-3 shape: time to target, final accuracy, data heterogeneity; digest
-whale-fl.md §5-6).
+"""Reproduce WHALE-FL's comparison (Tables 1-3 shape: time to target, final accuracy, data heterogeneity; section
+"Experimental Setup").
 
     .venv/bin/python scripts/reproduce/whale.py                        # embedded digits, sigma = 2, 3 seeds, 30 rounds
     .venv/bin/python scripts/reproduce/whale.py --sigma 2 5 10         # Table 3's sweep (sigma = 10: IID)
     .venv/bin/python scripts/reproduce/whale.py --quick                # 1 seed, 2 rounds, tiny CNN (smoke)
     .venv/bin/python scripts/reproduce/whale.py --settings mnist cifar10   # needs the files under paths.data_dir
 
-Protocol (digest §5): 20 simulated devices, 4 of each of 5 types (``system=mobile20``: Wi-Fi 5 / LTE / Bluetooth 3.0
-links switching per round, background load); client ``i`` runs on device ``i``; every client every round
-(``algo.clients_per_round=all``); "balanced non-IID" by shards, ``sigma`` classes a device
-(``partition=shards partition.classes_per_client=sigma partition.num_clients=20``; sigma = 10 is IID); the authors'
-code's local training (K = 10 SGD steps, batch 64, lr 0.01 on digits and MNIST, 0.1 on CIFAR-10, momentum 0.9,
+Protocol (WHALE-FL paper, "WHALE-FL Testbed" and "Datasets, Models, Parameters and Baselines"): 20 simulated devices, 4
+of each of 5 types (``system=mobile20``: Wi-Fi 5 / LTE / Bluetooth 3.0 links switching per round, background load);
+client ``i`` runs on device ``i``; every client every round (``algo.clients_per_round=all``); "balanced non-IID" by
+shards, ``sigma`` classes a device (``partition=shards partition.classes_per_client=sigma partition.num_clients=20``;
+sigma = 10 is IID); the authors' code's local training (K = 10 SGD steps, batch 64, lr 0.01 on digits and MNIST, 0.1 on
+CIFAR-10, momentum 0.9,
 unweighted count-mean merge; ``configs/algo/whale.yaml``). Methods, all on the same sub-network pipeline
 (``flx.callbacks.subnetwork``): FedAvg (``algo=whale algo.scheduler=full``: every device trains the full width, on
 the same system), HeteroFL / FedRolex / FedDropout (``algo=heterofl|fedrolex|feddropout``: fixed level = the device

@@ -17,8 +17,8 @@ MAML Hessian-vector product with a central difference of two support-set gradien
 
 ``fd`` is a central difference (error :math:`O(\tau^2)`), not pFedFBE's forward difference
 :math:`(\nabla f(w + \tau u) - \nabla f(w)) / \tau` (error :math:`O(\tau)`): with independent batches
-:math:`D \ne \hat D` (the theory's setting) both cost two gradients on :math:`\hat D`. The step follows the pFedFBE
-digest (§5 item 4): the perturbation :math:`\tau v` has norm :math:`\epsilon` (``eps``, default ``FD_EPS`` =
+:math:`D \ne \hat D` (the theory's setting) both cost two gradients on :math:`\hat D`. The pFedFBE paper (Sec. 2.2) does
+not give the step ``t``; ours: the perturbation :math:`\tau v` has norm :math:`\epsilon` (``eps``, default ``FD_EPS`` =
 :math:`10^{-3}`) whatever the scale of :math:`v`; :math:`\epsilon'` is the dtype's smallest normal number (a zero
 :math:`v` gives 0). Truncation grows as :math:`\epsilon^2` and round-off as :math:`\mathrm{eps}_{\text{mach}} /
 \epsilon`, balanced near :math:`\mathrm{eps}_{\text{mach}}^{1/3}`: on a small tanh MLP the relative error at

@@ -16,7 +16,8 @@ The paper names no projection algorithm and fixes no regulariser :math:`g`. Here
   and Chandra (ICML 2008), the one the authors' FedTorch code uses.
 - :func:`prox_chi2` and :func:`prox_kl`: DRFA-Prox line 17 for :math:`g(u) = -\frac{\rho}{2}\|u - \mathbf 1/N\|^2`
   (chi-square to uniform) and :math:`g(u) = -\rho\,\mathrm{KL}(u \,\|\, \mathbf 1/N)`, with :math:`c = \gamma\tau\rho`.
-  Both closed forms are ours, not the paper's (digest section 3.3).
+  Both closed forms are ours: the paper fixes no regulariser and runs no DRFA-Prox experiment (Sec. 5
+  names KL, optimal transport and l_p distances only).
 - :func:`floor_and_renormalise`: FedTorch's floor on ``lam`` after each projection (not in the paper).
 
 All functions take a 1-D tensor of length :math:`N \ge 1` and return a new tensor of the same dtype; none

@@ -302,7 +302,7 @@ class Regression(Task):
 
     Args:
         scale: :math:`s`; 1 is the MSE, 0.5 the :math:`\frac{1}{2} r^2` convention (e.g. pFedFBE's Lasso, whose
-            paper leaves the factor open: pfedfbe.md §5 item 10). ``{split}/mse`` is always unscaled.
+            paper leaves the factor open, Sec. 4.1). ``{split}/mse`` is always unscaled.
     """
 
     name, targets = "regression", REAL

@@ -69,8 +69,9 @@ def test_local_steps_on_minibatches_match_the_hand_update(hessian_batch: str, mi
 
 
 def test_first_order_with_eta_lam_one_is_local_proximal_sgd() -> None:
-    """Digest §2.3 / §5 item 3: with hessian=none and eta lam = 1, w - eta lam (w - prox_{h/lam}(w - g/lam)) =
-    prox_{eta h}(w - eta g): FedMiD's local step (to rounding: w - (w - theta) is theta only in exact arithmetic)."""
+    """Every experiment of the paper has eta lam = 1 (Sec. 4): with hessian=none and eta lam = 1, w - eta lam (w -
+    prox_{h/lam}(w - g/lam)) = prox_{eta h}(w - eta g): FedMiD's local step (to rounding: w - (w - theta) is theta only
+    in exact arithmetic)."""
     lam, eta, mu, seed = 4.0, 0.25, 0.3, 1
     data = regression([10])
     fed = _fed(data, [FBE(lam=lam, hessian="none", regularizer=l1(mu))], lr=eta, local_steps=4, batch_size=3, seed=seed)
@@ -238,8 +239,8 @@ def test_fbe_with_a_zero_prox_term_is_fbe_bitwise() -> None:
 
 
 def test_prox_listed_after_fbe_adds_its_term_to_the_fbe_direction() -> None:
-    """FedProx as the outer solver of F (digest §2.4): w_{k+1} = w_k - eta (G(w_k) + mu (w_k - w^t)); full batch, h = 0,
-    exact Hessian: G(w) = lam u - H u with u = g(w) / lam."""
+    """FedProx as the outer solver of F (the paper's Sec. 2.2 names it): w_{k+1} = w_k - eta (G(w_k) + mu (w_k - w^t));
+    full batch, h = 0, exact Hessian: G(w) = lam u - H u with u = g(w) / lam."""
     lam, eta, mu = 4.0, 0.1, 0.7
     data = regression([8])
     fed = _fed(data, [FBE(lam=lam, hessian_batch="same"), Prox(mu=mu)], lr=eta, local_steps=2)

@@ -87,7 +87,7 @@ def test_the_finite_difference_matches_double_backward_on_a_smooth_net() -> None
 def test_admm_iterates_match_the_hand_computation_with_l2_to_the_pm() -> None:
     """Three rounds of Alg. 1 (all clients): theta_i = theta - (y_i + w_i g_i) / rho, y_i += rho (theta_i - theta),
     theta <- (sum (y_i + rho theta_i) - lam 2 (theta - theta_p)) / (N rho), with w_i = D_i / sum D and the identity
-    y_i = -w_i g_i (digest §2.6) after every round."""
+    y_i = -w_i g_i (Eqs. 11-12; the paper's Eq. 83) after every round."""
     data, lam, pm = few_shot(), 0.3, _pm()
     server = ServerResources(torch.empty(0, dtype=torch.long), {"pm": pm})
     parts = [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=lam, rh="l2")]
@@ -112,7 +112,8 @@ def test_admm_iterates_match_the_hand_computation_with_l2_to_the_pm() -> None:
 
 
 def test_full_participation_is_optimistic_gradient_descent() -> None:
-    """Digest §2.6: with every client, theta^{t+1} = theta^t - [sum_i w_i (2 g_i^t - g_i^{t-1})] / (N rho) (lam = 0)."""
+    """Eqs. 11-13 with y_i = -w_i g_i: with every client, theta^{t+1} = theta^t - [sum_i w_i (2 g_i^t - g_i^{t-1})] /
+    (N rho) (lam = 0)."""
     data = few_shot()
     fed = _fed(data, [MetaUpdate(alpha=ALPHA, rho=RHO)])
     theta = flat(fed.params)

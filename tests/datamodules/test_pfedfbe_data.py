@@ -1,5 +1,6 @@
-"""Tests for pFedFBE's data (papers/pfedfbe.md §3.1-3.3, §5): the Lasso and matrix-completion generators against the
-digest's specification, their clients through ``partition=by_group``, and the 2-labels-per-client split."""
+"""Tests for pFedFBE's data (the paper's Sec. 4.1-4.3): the Lasso and matrix-completion generators against the paper's
+specification (and our documented choices where it is silent), their clients through ``partition=by_group``, and the
+2-labels-per-client split."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_thirty_clients_of_128_rows_each_with_their_own_test_rows(data: TensorDa
 
 
 def test_lasso_setting_1_shares_the_printed_ground_truth() -> None:
-    """Setting (I): w* = [1_992, 0_32] for every client, as printed (digest §5 item 11)."""
+    """Setting (I): w* = [1_992, 0_32] for every client, as printed in Sec. 4.1."""
     expected = torch.cat([torch.ones(992), torch.zeros(32)]).double()
     assert LASSO[1].truth.shape == (30, 1024) and torch.equal(LASSO[1].truth, expected.expand(30, -1))
 

@@ -1,6 +1,6 @@
 """The CIFAR ResNets of CRD (:class:`flx.models.resnet_cifar.ResNetCIFAR`): parameter counts as formulas and as the
-AugFL digest's 1.23M / 7.43M, any input size and channel count, the authors' AvgPool2d(8) on 32x32 inputs, one-line
-errors for bad options, and the ``model=resnet8x4`` / ``resnet32x4`` configs."""
+1.23M / 7.43M of the definition in AugFL's released code, any input size and channel count, the authors' AvgPool2d(8) on
+32x32 inputs, one-line errors for bad options, and the ``model=resnet8x4`` / ``resnet32x4`` configs."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _formula(c: int, k: int, depth: int, w: tuple[int, ...]) -> int:
 @pytest.mark.parametrize(("depth", "digest"), [(8, 1.23e6), (32, 7.43e6)])
 def test_configs_give_the_digest_parameter_counts(depth: int, digest: float) -> None:
     """``model=resnet8x4`` / ``resnet32x4`` with 100 classes on CIFAR images: the formula, and within 1% of the
-    digest's counts (1,233,540 and 7,433,860)."""
+    released code's counts (1,233,540 and 7,433,860)."""
     cfg = precheck([f"model=resnet{depth}x4", "data=digits"])
     assert cfg.model.depth == depth and list(cfg.model.widths) == [32, 64, 128, 256]
     net = net_from_config(cfg.model, (3, 32, 32), 100)

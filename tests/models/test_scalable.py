@@ -188,8 +188,8 @@ def _cnn_count(c: int, k: int, w: tuple[int, ...]) -> int:
 
 @pytest.mark.parametrize("name", ["cnn_scalable", "resnet18_scalable"])
 def test_configs_build_the_digest_nets(name: str) -> None:
-    """``model=cnn_scalable`` (MNIST, 10 classes): 1,555,914 parameters (the formula; the digest's code sizes the
-    CNN at about 1.55M); ``model=resnet18_scalable`` (CIFAR-10): the CIFAR ResNet18's 11,173,962."""
+    """``model=cnn_scalable`` (MNIST, 10 classes): 1,555,914 parameters (the formula; the authors' released code sizes
+    the CNN at about 1.55M); ``model=resnet18_scalable`` (CIFAR-10): the CIFAR ResNet18's 11,173,962."""
     cfg = precheck([f"model={name}", "data=digits"])
     assert list(cfg.model.widths) == [64, 128, 256, 512] and cfg.model.norm == "bn"
     shape = (1, 28, 28) if name == "cnn_scalable" else (3, 32, 32)

@@ -191,8 +191,8 @@ def test_parameter_count_is_the_formula() -> None:
 
 
 def test_config_builds_the_paper_net() -> None:
-    """``model=transformer_scalable``: embed 256, 8 heads, FFN 512, 4 layers, dropout 0.2 (WHALE-FL §5); ``L`` and
-    ``V`` come from the data (here 64 and a small vocabulary of 50 words)."""
+    """``model=transformer_scalable``: embed 256, 8 heads, FFN 512, 4 layers, dropout 0.2 (WHALE-FL's released code);
+    ``L`` and ``V`` come from the data (here 64 and a small vocabulary of 50 words)."""
     cfg = precheck(["model=transformer_scalable", "data=digits"])
     m = cfg.model
     assert (m.embed, m.heads, m.ffn, m.layers, m.dropout, m.attn_dim, m.vocab_size) == (256, 8, 512, 4, 0.2, None, None)

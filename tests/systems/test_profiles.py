@@ -1,4 +1,5 @@
-"""Device profiles and the device-time formula against the authors' table (digest ``whale-fl.md`` §1.3).
+"""Device profiles and the device-time formula against the authors' table (WHALE-FL's released code,
+``device_list/*.csv``).
 
 ``T_i = t(type_i, rho) * B * K + q * rho^2 / R_i`` with ``q = 12,352,000`` bit; under ``static`` dynamics ``u = 1``
 and the link is the device's initial one, so the expected values below are the table's numbers put in the formula.

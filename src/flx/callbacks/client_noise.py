@@ -1,6 +1,6 @@
 """Per-client additive Gaussian input noise: feature heterogeneity as in FeDXL's experiments.
 
-Guo, Jin, Luo, Yang, ICML 2023, §5 ("Datasets and Neural Networks"): every training input of machine ``i``
+Guo, Jin, Luo, Yang, ICML 2023, Sec. 4 ("Datasets and Neural Networks"): every training input of machine ``i``
 gets noise :math:`\\mathcal N(\\mu_i, 0.04)` with :math:`\\mu_i = -0.08 + 0.01\\,i`; the authors' code adds
 it per pixel after normalisation, re-sampled on every load (``std = 0.2``), to training data only.
 

@@ -16,7 +16,7 @@ for :math:`K` local steps; then :math:`c_i^{new}` is the mean of the client's :m
 (``algo.server.lr``). Every ``t0`` local iterations a new stage starts: :math:`\eta_s = \eta / \text{decay}^s` and
 the reference :math:`v_s` becomes the mean of the stage's global iterates.
 
-Choices (the paper's pseudo-code is not reproduced in the FeDXL digest; these follow the authors' public code
+Choices (the FeDXL paper only names CODASCA as a baseline, Sec. 4; these follow the authors' public code
 of CODASCA, LibAUC example 06, and are options where the paper and code can differ):
 
 - ``alpha_grad="ab"`` (code): the dual step uses :math:`2(m + b - a) - 2\alpha` with the just-updated

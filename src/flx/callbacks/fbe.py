@@ -17,11 +17,11 @@ and FedAvg runs on :math:`F = \frac1N \sum_i F_i` (Eq. 7). One local step (Algor
 
 The core's backward puts :math:`g` in ``p.grad`` (the task loss on the step's minibatch :math:`D`); ``on_local_grad``
 replaces it with :math:`G` and the core's SGD step is line 13. Client :math:`i`'s personalised model is one
-proximal-gradient step from the global model (line 16; Eq. 8 with the :math:`1/\lambda` of Alg. 1 and Eq. 6, digest
-§5 item 2): :math:`\theta_i(w) = \mathrm{prox}_{h/\lambda}(w - \nabla f_i(w)/\lambda)`, installed by ``personalize``
-during evaluation, so the core logs ``val/personal_*``. No client state (§1.4).
+proximal-gradient step from the global model (line 16; Eq. 8 with the :math:`1/\lambda` of Alg. 1 and Eq. 6, which
+Eq. 8 omits): :math:`\theta_i(w) = \mathrm{prox}_{h/\lambda}(w - \nabla f_i(w)/\lambda)`, installed by ``personalize``
+during evaluation, so the core logs ``val/personal_*``. No client state (Alg. 1).
 
-Choices the paper leaves open (digest §5), all options: the Hessian-vector product ``hessian`` (``exact`` double
+Choices the paper leaves open, all options: the Hessian-vector product ``hessian`` (``exact`` double
 backward, the default; ``fd`` the paper's finite difference, here central with step norm ``fd_eps``; ``none`` the
 first-order variant :math:`G = \lambda u`), the Hessian batch :math:`\hat D` (``independent``, the theory's setting and
 the default, drawn without replacement from a ``(seed, round, client)`` stream of its own so the gradient batches
@@ -29,7 +29,7 @@ the default, drawn without replacement from a ``(seed, round, client)`` stream o
 gradient of :math:`\theta_i` (``personal_batch``: all the client's training rows, or a fixed seeded subset). The
 Hessian is that of the task loss ``fed.loss_fn``: parts that change the local objective (``local_loss``) or
 ``p.grad`` before this part change :math:`g` only; list FedProx's ``Prox`` after this part to add
-:math:`\mu (w - w^t)` to :math:`G` (FedProx as the outer solver, §2.4).
+:math:`\mu (w - w^t)` to :math:`G` (FedProx as the outer solver, Sec. 2.2).
 
 Symbols: ``lam`` (:math:`\lambda`), ``eta`` (``algo.lr``), ``mu`` (the regulariser's weight), ``g``, ``theta``, ``u``.
 """

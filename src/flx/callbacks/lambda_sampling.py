@@ -17,9 +17,10 @@ Round :math:`s` with :math:`\tau` local steps and cohort size :math:`m`:
    :math:`N` clients evaluate their full local loss at the round-start model :math:`\bar w^{(s)}` and
    :math:`\lambda \leftarrow \Pi_\Lambda(\lambda + \gamma(f + \nabla g(\lambda)))`, no :math:`\tau`, no snapshot.
 
-AFL (Mohri et al. 2019) is DRFA with :math:`\tau = 1` (``algo=afl``). The authors' FedTorch code differs from the
-paper in ways that are options here (digest §6): ``sampling=uniform_weighted`` (a uniform cohort without
-replacement and the aggregate :math:`\bar w - \sum_{i \in D} \lambda_i \frac{N}{m}(\bar w - w_i)`),
+AFL (Mohri et al. 2019) is DRFA with :math:`\tau = 1` (``algo=afl``). The authors' released code (FedTorch,
+github.com/MLOPTPSU/FedTorch, cited in the paper's Sec. 6) differs from the paper in ways that are options here:
+``sampling=uniform_weighted`` (a uniform cohort without replacement and the aggregate :math:`\bar w - \sum_{i \in D}
+\lambda_i \frac{N}{m}(\bar w - w_i)`),
 ``gamma_decay=0.9`` (:math:`\gamma_s = \gamma \cdot 0.9^{s+1}`: the code decays before the first round),
 ``lambda_floor=1e-3`` (entries at or below it raised to it, then renormalised) and
 ``lambda_init=num_samples`` (:math:`\lambda^{(0)}_i = n_i / n`). Choices the paper leaves open: :math:`\lambda^{(0)}`

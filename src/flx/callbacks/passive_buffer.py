@@ -13,7 +13,7 @@ computed during the previous round(s), merged by the server:
     m \\leftarrow (1-\\beta) m + \\beta (G_1 + G_2) \\quad (\\text{Alg. 2 line 17})
 
 FeDXL1 is ``compositional=False`` (``f`` linear, ``nabla f = 1``, no ``u``) with ``beta=1`` (plain SGD).
-Choices the paper leaves open (digest §5), each a parameter: passive partners per step ``p1``/``p2``
+Choices the paper leaves open, each a parameter: passive partners per step ``p1``/``p2``
 (default ``B1``/``B2`` and pairing every active score with every partner, as the authors' code), drawn
 without ``replacement`` (default: "take next" from a per-client shuffle of the pool, reshuffled when used up, as the
 paper) or with it (the code), pool ``depth`` in rounds (paper 1, code 2), ``u0`` (1, as the code:
@@ -28,7 +28,7 @@ its estimates (:func:`flx.losses.xrisk.update_u_table`). With ``beta < 1`` the m
 the server mean of the clients' last momenta (``0`` in round 1; ``momentum_sync="server"``, Alg. 2 line 5), or
 each client keeps its own across rounds in the client state store (``"client"``).
 
-``pairs="local"`` is the paper's Local Pair baseline (digest §2.4): the same objective on the pairs of each
+``pairs="local"`` is the paper's Local Pair baseline (Sec. 4): the same objective on the pairs of each
 step's own minibatch, gradient through both sides, ``u`` from local pairs, no score pools; its config keeps the
 momentum per client (``momentum_sync=client``: the paper describes only model averaging; the authors' code keeps
 momentum and ``u`` local). With one client holding all the data (``partition.num_clients=1``) it is the

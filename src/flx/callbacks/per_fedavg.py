@@ -10,7 +10,7 @@ the :math:`K` local steps (``algo.local_steps``) of client :math:`i` is one MAML
     w \leftarrow w - \beta \big(I - \alpha \nabla^2 f_i(w; \mathcal D'')\big) \nabla f_i(\tilde w; \mathcal D'),
 
 and the server averages (``algo.aggregator=mean``). ``hessian``: ``none`` is Per-FedAvg (FO), ``fd`` Per-FedAvg (HF)
-(the paper's finite difference, radius ``delta``, Eq. 10 of AugFL's digest being the same estimator), ``exact`` the
+(the paper's finite difference, radius ``delta``, the AugFL paper's Eq. 10 being the same estimator), ``exact`` the
 double-backward product. On few-shot clients (``partition=few_shot``) :math:`\mathcal D = \mathcal D''` is the support
 set and :math:`\mathcal D'` the query set, full batch, as AugFL's clients use them (the paper draws three independent
 minibatches; with 10-40 rows a client, full batches are the natural reading). Evaluation: one step of :math:`\alpha`

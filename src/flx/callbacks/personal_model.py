@@ -2,14 +2,14 @@ r"""The personalised model of a non-personalised algorithm, and the store of per
 
 The pFedFBE paper evaluates algorithms without personalisation
 with the global model as the personalised one (``model=global``: FedAvg's personalised evaluation, so its
-``val/personal_*`` sit next to the personalised algorithms'). Its "pFedprox" baseline (§3.2, §3.4) is not defined
+``val/personal_*`` sit next to the personalised algorithms'). Its "pFedprox" baseline (Sec. 4.2) is not defined
 there; here (``model=local``) FedProx's personalised model is the client's local model from the last round it took
 part in, the approximate minimiser of
 
 .. math::
     f_i(\theta) + \frac{\mu}{2} \lVert \theta - w^t \rVert^2
 
-that FedProx's local steps compute (Li et al., MLSys 2020, Eq. 2): pFedMe's personal model (§1.2) with
+that FedProx's local steps compute (Li et al., MLSys 2020, Eq. 2): pFedMe's personal model (Dinh et al. 2020) with
 :math:`\lambda = \mu`, kept rather than recomputed. A client never sampled is evaluated with the global model.
 
 Personal models live in ``client.state`` (the CPU state store, never one copy per client on the accelerator) under

@@ -20,12 +20,12 @@ is computed once, on rank 0 (``fed.on_server``), and broadcast. ``rh`` (:mod:`fl
 - ``kd``: logit distillation :math:`T^2\,\mathrm{KL}(p_{\theta_p} \| p_\theta)`;
 - ``l2``: :math:`\lVert \theta - \theta_p \rVert^2` (the theory's :math:`R_h`, §IV-C; same architecture), no data.
 
-``gradient`` (the paper vs the authors' code, digest §6.2): ``paper`` is the mean over one epoch of the server rows
-(minibatches of ``batch_size``) of :math:`\nabla_\theta R_h` at the fixed :math:`\theta^t`, the CRD heads taking one
-SGD step per minibatch (they minimise the bound, Eq. 75); ``code`` is the mean of the minibatch gradients of
-``ce_weight`` CE + ``rh_weight`` :math:`R_h` (1.0 and 0.8 in the code) along one epoch of SGD on a working copy of
-:math:`\theta^t` and the heads (lr ``head_lr``, momentum, weight decay), the trajectory then discarded. With ``lam``
-= 0 (AugFL without PM) the part does nothing and needs no PM or server rows.
+``gradient`` (the paper's Eq. 13 vs the authors' released code, github.com/zerui981105/AugFL): ``paper`` is the mean
+over one epoch of the server rows (minibatches of ``batch_size``) of :math:`\nabla_\theta R_h` at the fixed
+:math:`\theta^t`, the CRD heads taking one SGD step per minibatch (they minimise the bound, Eq. 75); ``code`` is the
+mean of the minibatch gradients of ``ce_weight`` CE + ``rh_weight`` :math:`R_h` (1.0 and 0.8 in the code) along one
+epoch of SGD on a working copy of :math:`\theta^t` and the heads (lr ``head_lr``, momentum, weight decay), the
+trajectory then discarded. With ``lam`` = 0 (AugFL without PM) the part does nothing and needs no PM or server rows.
 
 Symbols: ``lam`` (:math:`\lambda`).
 """

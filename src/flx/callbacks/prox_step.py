@@ -3,7 +3,7 @@ r"""Proximal local steps (FedMiD) and federated dual averaging (FedDualAvg) for 
 Yuan, Zaheer, Reddi, "Federated Composite Optimization", ICML 2021: Federated Mirror Descent (FedMiD) and Federated
 Dual Averaging (FedDualAvg), here with the Euclidean mirror map, so every mirror step is a prox step of
 :mod:`flx.regularizers` (the paper calls the regulariser :math:`\psi` and the mirror map :math:`h`; here ``h`` is
-the regulariser, as in the pFedFBE digest §2.5, which runs both as baselines "Fedmirror" and "FedDual", §3.4).
+the regulariser, as pFedFBE does, whose paper runs both as baselines "Fedmirror" and "FedDual", Sec. 4.1).
 Client :math:`i` takes :math:`K_i` steps of size :math:`\eta` (``algo.lr``), weight :math:`p_i`; the server step
 size is :math:`\eta_s` (``algo.server.lr``) and :math:`\bar K = \sum_i p_i K_i / \sum_i p_i`.
 
@@ -16,7 +16,7 @@ size is :math:`\eta_s` (``algo.server.lr``) and :math:`\bar K = \sum_i p_i K_i /
 
 The server prox (``server_prox=true``, the default) is the paper's server update
 :math:`x_{r+1} = \nabla(h + \eta_s\eta_c K\psi)^*(\nabla h(x_r) + \eta_s\Delta_r)` and what the authors' code does
-(``server_mirror`` with ``lr = server_lr * mean(client_lr * K)``); ``server_prox=false`` is the digest's one-line
+(``server_mirror`` with ``lr = server_lr * mean(client_lr * K)``); ``server_prox=false`` is the simpler
 reading "local proximal steps, then the server averages the primal models". Any server optimizer works: the prox is
 applied to its output, with :math:`\eta_s` its ``lr``.
 

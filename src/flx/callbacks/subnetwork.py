@@ -1,9 +1,10 @@
 r"""Sub-network scheduling: each client trains a width sub-model of ONE full-width net, its level chosen per round.
 
 H. Su et al., "WHALE-FL: Wireless and Heterogeneity Aware Latency Efficient Federated Learning over Mobile Devices via
-Adaptive Subnetwork Scheduling", 2024 (digest ``whale-fl.md`` §2-4). Also the fixed-size baselines it extends:
-HeteroFL (Diao et al., ICLR 2021; prefix channels), FedRolex (Alam et al., NeurIPS 2022; rolling) and Federated
-Dropout (Caldas et al., 2018; random channels). Per round ``r`` and client ``i`` (Alg. of digest §4):
+Adaptive Subnetwork Scheduling", 2024 (Eqs. 1-2 in "FL with Subnetwork Extraction", Eqs. 3-10 in "Fisher Information"
+and "WHALE-FL Design"). Also the fixed-size baselines it extends: HeteroFL (Diao et al., ICLR 2021; prefix channels),
+FedRolex (Alam et al., NeurIPS 2022; rolling) and Federated Dropout (Caldas et al., 2018; random channels). Per round
+``r`` and client ``i`` (the paper's Eqs. 4-9):
 
 .. math::
     p_{i,r} = \max\big(\hat p(\min(TE_{i,r} SE_{i,r}^{\beta} / U_{th}, 1)),\ p_i^{max}\big), \qquad
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
 _MASK_TAG, _LABEL_TAG = 0x57A1, 0x57A2
 _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches this round
-#: our assumption (the paper gives no W^max, digest §7 item 10): the testbed's types from most to least capable
+#: our assumption (the paper gives no W^max per device type): the testbed's types from most to least capable
 MAX_LEVELS = {"MacBookPro2018": 1, "Xavier": 2, "TX2": 3, "Nano": 4, "RaspberryPi": 5}
 TE_BATCHES = ("batches", "steps", "samples")
 MAX_PLOTTED_CLIENTS = 20  # W&B's whale/fisher_trace: a line per client for the first this many (the table has all)

@@ -2,9 +2,10 @@ r"""WHALE-FL's scheduling maths as pure functions: the per-batch Fisher informat
 utility and its quantisation into a sub-network level.
 
 H. Su, J. Geng, L. Li, X. Qin, Y. Hou, H. Wang, X. Fu, M. Pan, "WHALE-FL: Wireless and Heterogeneity Aware Latency
-Efficient Federated Learning over Mobile Devices via Adaptive Subnetwork Scheduling", 2024 (digest ``whale-fl.md``
-§3). Symbols: ``FI`` the scalar Fisher information of a batch, ``B`` the client's batches, ``D`` the window of past
-rounds, ``T`` the preferred round time, ``beta`` the exponent of SE, ``U_th`` the threshold, ``P`` the levels:
+Efficient Federated Learning over Mobile Devices via Adaptive Subnetwork Scheduling", 2024 (Eq. 3 in "Fisher
+Information", Eqs. 4-9 in "WHALE-FL Design"). Symbols: ``FI`` the scalar Fisher information of a batch, ``B`` the
+client's batches, ``D`` the window of past rounds, ``T`` the preferred round time, ``beta`` the exponent of SE, ``U_th``
+the threshold, ``P`` the levels:
 
 .. math::
     TE = |\mathbf B| \sqrt{\tfrac{1}{|\mathbf B| |\mathbf D|} \textstyle\sum_{k, d} FI_{r-d}(k)^2}    \quad(5)
@@ -15,7 +16,7 @@ rounds, ``T`` the preferred round time, ``beta`` the exponent of SE, ``U_th`` th
 
 Level ``p`` trains width ``s^(p-1)`` (``s = 1/2``). ``T^co, T^tr`` are the smallest level's times this round.
 
-**FI per batch** (Eq. 3 is a matrix; the paper gives no scalar, digest §7 item 5), :func:`batch_fisher_tensor`:
+**FI per batch** (Eq. 3 is a matrix; the paper does not say how it becomes a scalar), :func:`batch_fisher_tensor`:
 
 - ``trace_empirical`` (default): ``tr F_emp = (1/|b|) sum_{n in b} ||grad_W l(x_n, y_n)||^2`` over the sub-model's
   entries. The squared norm of the batch gradient is *not* this (it is ``||mean_n g_n||^2``); the per-sample

@@ -1,6 +1,6 @@
 """Binary, imbalanced versions of any multi-class dataset (LibAUC-style), with optional label noise.
 
-Guo, Jin, Luo, Yang, "FeDXL", ICML 2023 (§3 of the digest): CIFAR-10/100 made binary and imbalanced
+Guo, Jin, Luo, Yang, "FeDXL", ICML 2023 (Sec. 4, Appendix C.1): CIFAR-10/100 made binary and imbalanced
 (``imratio`` = positives / all training samples), and 20% label flips for the noisy-label table (Table 3).
 
 * ``positive`` classes become label 1, all others label 0 (default: the first half of the classes, as LibAUC).

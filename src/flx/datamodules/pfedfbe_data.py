@@ -1,7 +1,8 @@
 r"""Generated data of pFedFBE's convex experiments: federated Lasso (settings I and II) and federated matrix completion.
 
 Paper: "Personalized Federated Composite Learning with Forward-Backward Envelopes" (pFedFBE; anonymous ICLR
-submission), Sections 4.1 and 4.2; digest ``papers/pfedfbe.md`` §3.1, §3.2 and §5 items 10-14.
+submission), Sections 4.1 and 4.2; where the paper is silent or ambiguous, the choices are listed below
+and in docs/data.md.
 
 Each of the ``N`` clients :math:`j` has an input distribution of its own, a mean shift drawn once, and a ground truth
 :math:`w_j^\star` (shared by all clients in Lasso setting I):
@@ -14,18 +15,18 @@ Each of the ``N`` clients :math:`j` has an input distribution of its own, a mean
 with :math:`b^\star = 0` and :math:`\sigma = 1`, ``samples`` (128) training rows per client.
 
 * **Lasso** (:func:`lasso_synthetic`), :math:`d = 1024`. Setting I: :math:`w^\star = [\mathbf 1_{992}, \mathbf
-  0_{32}]` for every client, as the paper prints it (§5 item 11). Setting II: :math:`w_j^\star` is 1 on the first 8
+  0_{32}]` for every client, as the paper prints it (Sec. 4.1). Setting II: :math:`w_j^\star` is 1 on the first 8
   coordinates and 0.5 on 2 coordinates drawn per client, uniformly without replacement from the other 1016.
-* **Matrix completion** (:func:`matrix_completion`), the paper's matrix-sensing form: the inputs are :math:`32
-  \times 32` matrices :math:`X = \mu_j + \Delta` (i.i.d. :math:`\mathcal N(0, 1)` entries, §5 item 13) and
-  :math:`y = \langle W_j^\star, X \rangle + \varepsilon` with :math:`W_j^\star = \mathrm{diag}(w_j)`, :math:`w_j`
-  1 on the first 4 diagonal entries and 0.25 on one drawn per client from the other 28: rank 5. A linear model over
-  the flattened input (``model=linear``) holds :math:`W` as its weight: ``linear.weight.view(32, 32)`` (row-major,
-  as the input is flattened).
+* **Matrix completion** (:func:`matrix_completion`), the paper's matrix-sensing form: the inputs are :math:`32 \times
+  32` matrices :math:`X = \mu_j + \Delta` (i.i.d. :math:`\mathcal N(0, 1)` entries; Sec. 4.2 writes the recipe for
+  vectors) and :math:`y = \langle W_j^\star, X \rangle + \varepsilon` with :math:`W_j^\star = \mathrm{diag}(w_j)`,
+  :math:`w_j` 1 on the first 4 diagonal entries and 0.25 on one drawn per client from the other 28: rank 5. A linear
+  model over the flattened input (``model=linear``) holds :math:`W` as its weight: ``linear.weight.view(32, 32)``
+  (row-major, as the input is flattened).
 
-Choices where the paper is silent: each client also gets ``test_samples`` (128) held-out rows from its own
-distribution (the global test split, §5 item 14); the generated client is the sample group (``groups_train`` /
-``groups_test``), so ``partition=by_group`` gives exactly the paper's clients; the ground truth is
+Choices where the paper is silent: each client also gets ``test_samples`` (128) held-out rows from its own distribution
+(the global test split; the paper does not describe its test data); the generated client is the sample group
+(``groups_train`` / ``groups_test``), so ``partition=by_group`` gives exactly the paper's clients; the ground truth is
 :attr:`TensorData.truth`, one per group (:func:`client_truth` maps it to the partition's clients).
 
 Randomness: ``np.random.SeedSequence(seed)`` spawns one stream for the ground truth and one per client for its data

@@ -34,7 +34,8 @@ The teacher direction :math:`\mathcal L^c` swaps the roles (:math:`v^c_i` agains
 :math:`D \cdot \mathrm{mean}_{i \in B,\, j \in \{i\} \cup J_i} \exp(\cdot / \tau)` per direction and then kept
 fixed (buffer ``z``, so checkpointed); ``normalize=False`` fixes :math:`Z = 1`.
 
-Choices (the paper gives none of :math:`\tau, N, d, m`; defaults are the authors' code, digest §6.2):
+Choices (the paper gives none of :math:`\tau, N, d, m`; defaults are the authors' released code,
+github.com/zerui981105/AugFL, which takes CRD's):
 
 - Positive ("exact" mode of CRD): the sample's own bank row :math:`M_i`, read before this call's update, not the
   other network's current embedding. During the first pass over the data the positives are the random initial rows.

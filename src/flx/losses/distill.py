@@ -24,11 +24,11 @@ on a labelled server set with the PM. The paper leaves :math:`R_h` generic; the 
   the paper's Section V instantiation: :class:`flx.losses.crd.CRD` (critic, NCE loss, memory banks, :math:`Z` and
   every choice there are in :mod:`flx.losses.crd`).
 
-Choices the paper leaves open (digest §2.5, §6.1 item 1, §6.2): :math:`\tau`, :math:`N`, the embedding size
+Choices the AugFL paper leaves open (Section V gives the loss only): :math:`\tau`, :math:`N`, the embedding size
 :math:`d` and the bank momentum :math:`m` are not given; the defaults are the authors' code (:math:`d = 128`,
 :math:`N = 16384`, :math:`\tau = 0.07`, :math:`m = 0.5`, "exact" positives). The theory's :math:`R_h` is ``l2``;
 its smoothness constant is 2, and it is impossible across architectures (ResNet8x4 vs ResNet32x4). The authors'
-server gradient also adds a supervised cross-entropy term and averages over one epoch of SGD steps (§6.2): that
+server gradient also adds a supervised cross-entropy term and averages over one epoch of SGD steps: that
 belongs to the caller, not to these building blocks.
 
 Every option is pure: it takes tensors (parameters, logits or features), never nets. :data:`RH_INPUTS` names what

@@ -17,7 +17,8 @@ partial derivatives :math:`\nabla_1 \ell = \partial \ell / \partial a` (``*_d1``
 - KL-OPAUC inner loss (Eq. 17, used by FeDXL2 in Table 2) with outer :math:`f(u) = \lambda \log u`:
   :math:`\ell = \exp\big((m - (a - b))_+^2 / \lambda\big)`. The paper prints
   :math:`(h(w,z) + 1 - h(w,z'))_+`, a sign typo that would penalise positives for scoring high; the
-  form here is the one of Zhu et al. 2022 and of the authors' code (digest §5 item 1).
+  form here is the one of Zhu et al. 2022 and of the authors' released code
+  (github.com/Optimization-AI/ICML2023_FeDXL).
 
 The surrogate builders implement the recipe that turns the estimators into one ``backward()``: every
 passive score (from last round's merged buffers) and every weight :math:`\nabla f(u)` is a detached
@@ -46,8 +47,8 @@ Symbols: ``a`` (:math:`B_1`) active positive scores, ``b`` (:math:`B_2`) active 
 ``lam`` (:math:`\lambda`), ``margin`` (:math:`m`), ``gamma`` (:math:`\gamma`).
 
 Deviations: every active sample is paired with every passive partner drawn at the step (the authors'
-code, digest §5 item 5) rather than one partner per sample; :math:`\nabla f(u) = \lambda / u` keeps the
-:math:`\lambda` that the authors' code drops (digest §5 item 2).
+released code) rather than one partner per sample (Alg. 1-2); :math:`\nabla f(u) = \lambda / u` keeps the
+:math:`\lambda` that the authors' code drops.
 """
 
 from __future__ import annotations

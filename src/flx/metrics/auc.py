@@ -1,7 +1,8 @@
 """Binary AUROC and McClish-standardised partial AUROC, as reported in FeDXL (Guo et al., ICML 2023).
 
-The paper's Tables 2-3 report ``sklearn.metrics.roc_auc_score(y, s, max_fpr=...)`` (notes §5 item 18), i.e.
-the partial area up to ``max_fpr`` standardised by McClish (1989):
+The paper's Tables 2-3 report pAUC at FPR <= 0.3 / 0.5 and AUROC without naming the estimator; ours is
+``sklearn.metrics.roc_auc_score(y, s, max_fpr=...)``, i.e. the partial area up to ``max_fpr`` standardised by McClish
+(1989):
 
 .. math::
 

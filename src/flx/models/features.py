@@ -1,6 +1,6 @@
 """Penultimate (pre-logit) features of a net: the representation its last linear layer maps to logits.
 
-AugFL's regulariser (Yue, Qin et al., Section V; digest ``augfl.md`` §2.5) compares the penultimate features
+AugFL's regulariser (Yue, Qin et al., Section V) compares the penultimate features
 ``s = g^theta(x)`` of the meta-model with ``c = g^theta_p(x)`` of the pretrained model; :func:`penultimate` gives them
 for any net flx builds. A net qualifies, in this order, by
 

@@ -1,10 +1,11 @@
 """Plain-PyTorch training of a classifier on one tensor dataset: AugFL's pretrained model (PM).
 
 AugFL (Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models") gives the
-server a PM trained on rows no client sees (Section VI; digest ``augfl.md`` §6.2). :func:`fit` is the official
-teacher recipe: SGD with momentum on the classification loss (:mod:`flx.models.heads`), minibatches reshuffled each
-epoch, a per-epoch ``step`` or ``cosine`` schedule, optionally CIFAR's crop and flip (:func:`crop_flip`); every draw
-comes from the caller's generator. ``scripts/pretrain_pm.py`` and a run that trains its own PM share it;
+server a PM trained on rows no client sees (Section VI-A). :func:`fit` is the teacher recipe of the authors' released
+code (github.com/zerui981105/AugFL): SGD with momentum on the classification loss (:mod:`flx.models.heads`), minibatches
+reshuffled each epoch, a per-epoch ``step`` or ``cosine`` schedule, optionally CIFAR's crop and flip
+(:func:`crop_flip`); every draw comes from the caller's generator. ``scripts/pretrain_pm.py`` and a run that trains its
+own PM share it;
 :func:`save_state_dict` writes what :func:`flx.models.frozen.load_frozen` reads.
 """
 

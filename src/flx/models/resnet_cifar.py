@@ -1,6 +1,6 @@
 r"""The CIFAR ResNets of Contrastive Representation Distillation (Tian, Krishnan, Isola, ICLR 2020): ResNet8x4 and
 ResNet32x4, AugFL's meta-model and pretrained model (Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated
-Learning with Pretrained Models", Section VI; digest ``augfl.md`` §4 "Models").
+Learning with Pretrained Models", Section VI-A).
 
 Structure (``depth = 6 n + 2``, ``widths = [w_0, w_1, w_2, w_3]``, ``[32, 64, 128, 256]`` for the "x4" nets)::
 
@@ -21,13 +21,13 @@ Convolutions have no bias. The depth counts the stem, the ``2 * 3 n`` block conv
     9 C w_0 + 2 w_0 + s_1 + s_2 + s_3 + w_3 K + K
 
 ResNet8x4 (``n = 1``) has 1,233,540 parameters and ResNet32x4 (``n = 5``) 7,433,860 for ``C = 3``, ``K = 100``: the
-digest's 1.23M and 7.43M (``tests/models/test_resnet_cifar.py``).
+counts of the definition in AugFL's released code, 1.23M and 7.43M (``tests/models/test_resnet_cifar.py``).
 
 Deviation: the authors' net ends with a fixed ``AvgPool2d(8)``, which assumes 32x32 inputs (an 8x8 map after the two
 stride-2 stages); here the pool is ``AdaptiveAvgPool2d(1)``, which is the same operation on 32x32 inputs and also takes
 any other size (8x8 digits, 28x28 MNIST, 64x64 Tiny-ImageNet) and any number of input channels, the resizing the paper
-leaves unstated (digest §6.1 item 8). BatchNorm is ordinary ``nn.BatchNorm2d``: what an algorithm does with its running
-statistics is the algorithm's choice (digest §6.1 item 14).
+leaves unstated. BatchNorm is ordinary ``nn.BatchNorm2d``: what an algorithm does with its running
+statistics is the algorithm's choice (the AugFL paper says nothing about BatchNorm).
 """
 
 from __future__ import annotations

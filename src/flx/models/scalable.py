@@ -2,8 +2,9 @@ r"""Width-scalable nets for sub-model FL (HeteroFL, FedRolex, Federated Dropout,
 ResNet18, each with HeteroFL's Scaler and static BatchNorm (sBN).
 
 Papers: E. Diao, J. Ding, V. Tarokh, "HeteroFL: Computation and Communication Efficient Federated Learning for
-Heterogeneous Clients", ICLR 2021 (Scaler, sBN); H. Su et al., "WHALE-FL", 2024 (digest ``whale-fl.md`` §2.1, §5: the
-CNN with widths [64, 128, 256, 512] on MNIST and HAR, ResNet18 with [64, 128, 256, 512] on CIFAR-10).
+Heterogeneous Clients", ICLR 2021 (Scaler, sBN); H. Su et al., "WHALE-FL", 2024 (section "Datasets, Models, Parameters
+and Baselines"; the widths are the authors' released code's, github.com/BESTTOOLBOX/WHALE-FL: the CNN with widths [64,
+128, 256, 512] on MNIST and HAR, ResNet18 with [64, 128, 256, 512] on CIFAR-10).
 
 ONE full-width net serves every client: a client's sub-network of width ratio :math:`\rho` is a set of 0/1 masks over
 the net's tensors (:mod:`flx.models.width`), and ``set_width(rho, indices)`` sets the Scaler. Each net names its hidden

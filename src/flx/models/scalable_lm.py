@@ -1,9 +1,10 @@
 r"""The width-scalable Transformer masked language model of HeteroFL and WHALE-FL (BERT-style, WikiText-2).
 
-Papers: E. Diao, J. Ding, V. Tarokh, "HeteroFL", ICLR 2021 (the Transformer's Scalers; "embedding and FFN hidden
-sizes scaled by rho, head count kept at 8"); H. Su et al., "WHALE-FL", 2024 (digest ``whale-fl.md`` §2.1, §5: masked
-LM on WikiText-2, mask rate 0.15, bptt 64, embedding 256, 8 heads, FFN 512, 4 layers, dropout 0.2); J. Devlin et al.,
-"BERT", NAACL 2019 (the masked-LM objective, post-LN encoder, learned positions).
+Papers: E. Diao, J. Ding, V. Tarokh, "HeteroFL", ICLR 2021 (the Transformer's Scalers; "embedding and FFN hidden sizes
+scaled by rho, head count kept at 8"); H. Su et al., "WHALE-FL", 2024 (section "Datasets, Models, Parameters and
+Baselines": a Transformer on WikiText-2; the authors' released code github.com/BESTTOOLBOX/WHALE-FL: masked LM, mask
+rate 0.15, bptt 64, embedding 256, 8 heads, FFN 512, 4 layers, dropout 0.2); J. Devlin et al., "BERT", NAACL 2019 (the
+masked-LM objective, post-LN encoder, learned positions).
 
 **Net** (post-LN, as BERT and ``nn.TransformerEncoderLayer``'s default; token ids ``x`` of shape ``(B, L)``):
 

@@ -4,7 +4,7 @@ The core reuses one full-width net for every client; a client's sub-network of w
 masks: at client start the entries outside the sub-model are zeroed (:func:`apply_masks`), after each backward their
 gradients are zeroed (:func:`mask_grads`), and ``client.masks`` tells ``algo.aggregator=count_mean`` which entries the
 client holds (each entry is averaged over the clients covering it, uncovered entries keep :math:`w^t`; WHALE-FL
-Eqs. 1-2, 10, digest ``whale-fl.md`` §2.2).
+Eqs. 1-2, 10).
 
 **Channel groups.** A width-scalable net (:mod:`flx.models.scalable`) names its hidden channel *groups* in
 ``net.width_groups`` (group -> full channel count :math:`C`) and tags each layer with the group of every dimension of

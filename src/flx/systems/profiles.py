@@ -1,9 +1,10 @@
 """Device profiles: per-iteration compute times per device type and width ratio, model size, link rates.
 
 Su et al., "WHALE-FL: Wireless and Heterogeneity Aware Latency Efficient Federated Learning over Mobile Devices via
-Adaptive Subnetwork Scheduling" (digest ``whale-fl.md`` §1.3, §5). The numbers are the authors' code's
-(``On-Server/main_train_fisher.py``, ``device_list/*.csv``): the profiled CNN@MNIST table and the full-model upload
-size; the paper itself gives only the link rates of its testbed (Wi-Fi 5 / LTE / Bluetooth 3.0 = 80 / 20 / 10 Mbps).
+Adaptive Subnetwork Scheduling" (section "WHALE-FL Testbed"). The numbers are the authors' released code's
+(github.com/BESTTOOLBOX/WHALE-FL, ``On-Server/main_train_fisher.py``, ``device_list/*.csv``): the profiled CNN@MNIST
+table and the full-model upload size; the paper itself gives only the link rates of its testbed (Wi-Fi 5 / LTE /
+Bluetooth 3.0 = 80 / 20 / 10 Mbps).
 
 .. math::
     T^{co}(\\tau, \\rho) = t(\\tau, \\rho)\\, B\\, K, \\qquad T^{tr}(\\rho) = \\frac{q\\,\\rho^2}{R}
@@ -24,7 +25,7 @@ TYPES = ("MacBookPro2018", "Xavier", "TX2", "Nano", "RaspberryPi")
 """The testbed's device types, most to least capable (Jetson Xavier / TX2 / Nano, Raspberry Pi 4)."""
 
 PROFILES: dict[str, dict[str, tuple[float, ...]]] = {
-    # the authors' profiled CNN@MNIST times, one column of WIDTHS per type (digest §1.3)
+    # the authors' profiled CNN@MNIST times, one column of WIDTHS per type (``device_list/*.csv``)
     "cnn_mnist": {
         "MacBookPro2018": (0.0083647, 0.0038257, 0.0021069, 0.0014589, 0.0009867),
         "Xavier": (0.04070369, 0.0127832, 0.0057802, 0.003491786, 0.002557199),

@@ -1,7 +1,9 @@
 """The device / latency simulator: what a client's round costs in simulated seconds on its device.
 
-Su et al., WHALE-FL (digest ``whale-fl.md`` §1.3-1.4): a device's round is its local computing plus the upload of its
-(sub-)model; a synchronous round lasts as long as its slowest client; the clock is the sum of the rounds.
+Su et al., WHALE-FL (paper, sections "Adaptive Subnetwork Selection Utility" and "WHALE-FL Testbed"; the authors'
+released code github.com/BESTTOOLBOX/WHALE-FL, ``On-Server/main_train_fisher.py``): a device's round is its local
+computing plus the upload of its (sub-)model; a synchronous round lasts as long as its slowest client; the clock is the
+sum of the rounds.
 
 .. math::
     T^{co}_{i,r}(\\rho) = \\frac{t(\\tau_i, \\rho)\\, B\\, K_i}{u_{i,r}}, \\qquad

@@ -1,7 +1,8 @@
 """Seeded, replayable per-round device conditions: the link rate ``R_{i,r}`` and the background load ``u_{i,r}``.
 
-The paper assumes that rates and available compute change across rounds and stay constant within a round (digest
-§1.1), and gives no generator (§7 items 2-3). Ours (docs/systems.md):
+The paper assumes that rates and available compute change across rounds and stay constant within a round
+(WHALE-FL paper, text after Eq. 4), and gives no generator: it does not say which device has which link nor how
+links and loads change over time. Ours (docs/systems.md):
 
 .. math::
     P(R_{i,r} = a \\mid R_{i,r-1} = b) = \\begin{cases} 1 - p & a = b \\\\ p / (n - 1) & a \\ne b \\end{cases},
