@@ -47,7 +47,7 @@ DRFA = [
 
 OBJECTIVE = [
     "+algo.parts.objective._target_=flx.callbacks.objective.Objective",
-    "+algo.parts.objective.regularizer={name: l1, mu: 0.1, params: [\"*weight\"]}",
+    '+algo.parts.objective.regularizer={name: l1, mu: 0.1, params: ["*weight"]}',
 ]
 
 

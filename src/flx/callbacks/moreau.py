@@ -24,8 +24,9 @@ the minimiser) has fallen to ``tol`` times its value at the start, :math:`\lVert
 :math:`f_i`) that bounds :math:`\lVert \theta^+ - \theta_i(w) \rVert` by about :math:`\mathrm{tol}\,
 \lVert w - \theta_i(w) \rVert` times the condition number :math:`(L + \lambda)/\lambda`. ``tol`` None is
 :func:`default_tol` of the parameters' dtype. The line search's comparison allows the dtype's round-off of
-:math:`\phi`, so float32 does not halve :math:`s` on noise. One host read of three scalars per iteration (the step's
-acceptance, the residual, the restart test): it runs at evaluation only.
+:math:`\phi`, so float32 does not halve :math:`s` on noise. Two host reads of scalars per iteration (the step's
+acceptance with the residual, the restart test): it runs at evaluation only. Cost: on the Lasso (II) protocol (30
+clients x 128 rows, 1,025 parameters, float64, lambda = 15) about 290 iterations a client at the default tolerance.
 """
 
 from __future__ import annotations
