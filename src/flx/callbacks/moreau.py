@@ -20,7 +20,9 @@ needs no estimate of the smoothness :math:`L` and a non-convex :math:`f_i` canno
 starting at :math:`\theta = y = w` with :math:`s = 1/\lambda` (never increased; the bound holds once
 :math:`s \le 1/(L + \lambda)`). It stops when the gradient mapping :math:`G_s(y) = (y - \theta^+)/s` (zero exactly at
 the minimiser) has fallen to ``tol`` times its value at the start, :math:`\lVert G_s(y) \rVert \le \mathrm{tol}\,
-\lVert G_{s_0}(w) \rVert`, and returns :math:`\theta^+`; for :math:`\lambda`-strongly convex :math:`\phi` (convex
+\lVert G_{s_0}(w) \rVert`, or when :data:`PATIENCE` iterations have not lowered the residual (a piecewise-smooth
+:math:`f_i`, a ReLU net, has gradient jumps at its kinks that floor the residual, near 1e-2 on the digits MLP), or
+after ``max_steps`` iterations, and returns :math:`\theta^+`; for :math:`\lambda`-strongly convex :math:`\phi` (convex
 :math:`f_i`) that bounds :math:`\lVert \theta^+ - \theta_i(w) \rVert` by about :math:`\mathrm{tol}\,
 \lVert w - \theta_i(w) \rVert` times the condition number :math:`(L + \lambda)/\lambda`. ``tol`` None is
 :func:`default_tol` of the parameters' dtype. The line search's comparison allows the dtype's round-off of
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 
 CHUNK = 4096  # rows a forward pass takes at most
 MAX_HALVINGS = 60  # backtracking halvings of s in one iteration (2^-60: far below any useful step)
+PATIENCE = 50  # iterations without a new lowest residual after which the solve stops (a kink of a ReLU net)
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -141,11 +144,12 @@ def moreau_solve(
     max_steps: int = 1000,
 ) -> tuple[list[Tensor], int, float]:
     r""":math:`\theta_i(w)` on ``rows`` (see the module docstring): ``(theta, iterations, relative residual)``; the
-    residual is :math:`\lVert G \rVert / \lVert G_0 \rVert` of the last iteration (> ``tol``: ``max_steps`` reached,
-    NaN: the objective is not finite there). The net's parameters, buffers and mode are left as they were."""
+    residual is :math:`\lVert G \rVert / \lVert G_0 \rVert` of the last iteration (> ``tol``: ``max_steps`` reached
+    or the solve stalled, NaN: the objective is not finite there). The net's parameters, buffers and mode are left
+    as they were."""
     tol = default_tol(w[0].dtype) if tol is None else tol
     theta = [t.detach().clone() for t in w]
-    y, t, s, first, rel = theta, 1.0, 1.0 / lam, None, math.inf
+    y, t, s, first, rel, best, since = theta, 1.0, 1.0 / lam, None, math.inf, math.inf, 0
     data, was_training = batches(fed, rows), fed.net.training
     fed.net.eval()
     try:
@@ -153,7 +157,8 @@ def moreau_solve(
             new, s, res = _prox_step(fed, y, w, data, lam, reg, s)
             first = res if first is None else first
             rel = res / first if first > 0 else 0.0
-            if not rel > tol:  # converged, or not finite (NaN): nothing better to return
+            best, since = (rel, 0) if rel < best else (best, since + 1)
+            if not rel > tol or since >= PATIENCE:  # converged, stalled, or not finite (NaN): nothing better
                 return new, k + 1, rel
             momentum = torch._foreach_sub(new, theta)
             restart = float(_dot(torch._foreach_sub(y, new), momentum)) > 0  # the step opposes the momentum

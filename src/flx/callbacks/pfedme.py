@@ -161,16 +161,16 @@ class PFedMe(FederatedCallback):
             p = self.params
             theta, steps, rel = moreau_solve(fed, w, rows, p.lam, self.reg, p.personal_tol, p.personal_max_steps)
             tol = default_tol(w[0].dtype) if p.personal_tol is None else p.personal_tol
-            if steps == p.personal_max_steps and rel > tol and not self.warned:
+            if steps == p.personal_max_steps and rel > tol and not self.warned:  # a stall is the net's kinks
                 self.warned = True
                 log.warning(
-                    "flx: pFedMe's personal model of client %d stopped after algo.personal_max_steps=%d iterations "
-                    "at relative gradient-mapping norm %.3g (algo.personal_tol=%s); raise the cap or the tolerance "
-                    "(warned once)",
+                    "flx: pFedMe's personal model of client %d stopped at algo.personal_max_steps=%d iterations "
+                    "with relative gradient-mapping norm %.3g > algo.personal_tol=%.3g; the last iterate is used, "
+                    "raise the cap or the tolerance (warned once)",
                     cid,
                     steps,
                     rel,
-                    p.personal_tol,
+                    tol,
                 )
             self.memo[cid] = [t.detach().cpu() for t in theta]
         return self.memo[cid]
