@@ -158,7 +158,7 @@ def _script(name: str, *args: str) -> None:
 def _evaluations(out: Path) -> dict[str, list[tuple[float, float]]]:
     """``(round, value)`` of each evaluation key (``val/*``, ``train/client_loss_*``) logged in the run's CSV."""
     rows = list(csv.DictReader(open(out / "csv" / "metrics.csv")))
-    keys = [k for k in rows[0] if k.startswith(("val/", "train/client_loss_"))]
+    keys = [k for k in rows[0] if k.startswith(("val/", "train/client_loss_", "train/personal_objective"))]
     return {k: [(float(r["fl/round"]), float(r[k])) for r in rows if r.get(k)] for k in keys}
 
 
@@ -179,6 +179,7 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
         "+algo.parts.client_loss._target_=flx.callbacks.client_loss.ClientLoss",
         "+algo.parts.personal._target_=flx.callbacks.personal_model.PersonalModel",
         "+algo.parts.personal.model=local",  # clients that trained: their last local model; the others: the global
+        "+algo.parts.objective._target_=flx.callbacks.objective.Objective",  # the personalised objectives, reduced
     ]
     acc_one = _cli(tmp_path / "one", *common).stdout.split("final test_acc=")[1].split()[0]
     # the 2-process run keeps its client state on disk (a folder per rank): the same state, either way
@@ -187,9 +188,10 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
     assert acc_one == acc_two.split()[0]  # each rank evaluates a shard of the test set; the metric syncs them
     evals = [_evaluations(tmp_path / run) for run in ("one", "two")]
     assert evals[0].keys() == evals[1].keys() >= {"val/acc", "val/client_acc_mean", "val/personal_acc_mean"}
-    assert "train/client_loss_max" in evals[0]
+    assert {"train/client_loss_max", "train/personal_objective", "val/personal_objective"} <= evals[0].keys()
     for key, points in evals[0].items():
-        assert [r for r, _ in points] == [r for r, _ in evals[1][key]] == [2.0], key
+        logged = [2.0, 3.0] if key.startswith("train/personal") else [2.0]  # train/ forms also at the test
+        assert [r for r, _ in points] == [r for r, _ in evals[1][key]] == logged, key
         torch.testing.assert_close(evals[1][key], points, rtol=1e-5, atol=1e-6, msg=key)
     one, two = _final(tmp_path / "one"), _final(tmp_path / "two")
     for k in one["state_dict"]:

@@ -22,7 +22,8 @@ evaluated with the global model as their personalised model (Sec. 4.1). Seeds va
 the generated data are fixed (`data.split_seed`).
 
 Writes `docs/results/pfedfbe/{table.md,table.csv,<setting>.png}`: per setting and method, the final training
-objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.callbacks.objective`), the support scores (Lasso:
+objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.callbacks.objective`), the mean personalised
+objective `mean_j f_j(theta_j) + h(theta_j)` and pFedFBE's envelope objective (Eq. 7), the support scores (Lasso:
 global model in (I), personalised models in (II), as the paper), the rank and recovery error of the personalised
 models (matrix completion), the global and personalised test metric, mean ± std over seeds; and the curves per round.
 """
@@ -119,6 +120,8 @@ def run(args: list[str], seed: int, rounds: int) -> tuple[dict, dict]:
 def columns(setting: str) -> list[tuple[str, str]]:
     """(header, key) of the table's metrics: ``curve:<key>`` is the last point of a curve, else a final test metric."""
     cols = [("train objective F(w)", "curve:train/objective")]
+    cols += [("train personalised objective", "curve:train/personal_objective")]
+    cols += [("train FBE objective (Eq. 7; pFedFBE)", "curve:train/fbe_objective")]
     if setting in ("lasso1", "lasso2"):
         prefix, note = ("", "global") if setting == "lasso1" else ("personal_", "personalised")
         cols += [(f"{k.replace('support_', 'support ')} ({note})", f"test/{prefix}{k}") for k in SUPPORT]

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import linear, make_fed, raises_one_line, run_rounds
-from least_squares import f64, flat, grad, hess, l1, mse, prox, regression
+from least_squares import f64, flat, grad, hess, l1, loss, mse, prox, regression
 from torch import Tensor
 
-from flx.callbacks.fbe import _HAT_TAG, _PERSONAL_TAG, FBE, fbe_gradient, fbe_value
+from flx.callbacks.fbe import _HAT_TAG, _PERSONAL_TAG, FBE, fbe_gradient, fbe_objective, fbe_value
 from flx.callbacks.lambda_sampling import LambdaSampling
 from flx.callbacks.prox import Prox
 from flx.federation import Federation
@@ -274,3 +274,40 @@ def test_fbe_with_drfa_lambda_sampling_draws_the_cohort_from_lambda() -> None:
     assert not torch.allclose(lam, torch.full((n,), 1.0 / n, dtype=f64))
     assert torch.isfinite(flat(fed.params)).all() and torch.isfinite(lam).all()
     assert fed.train_loss is not None and np.isfinite(fed.train_loss)
+
+
+# ---------------------------------------------------------------------- the logged objective
+def test_fbe_objective_is_eq_5_by_hand_averaged_over_clients_and_split_over_ranks() -> None:
+    """train/fbe_objective = (1/N) sum_i [f_i(w) - ||g_i||^2 / (2 lam) + mu ||p_i weight||_1 + lam/2 ||p_i - v_i||^2],
+    g_i = grad f_i(w) on all of client i's rows, v_i = w - g_i / lam, p_i = prox_{h/lam}(v_i) (Eqs. 5 and 7), written
+    out with the closed-form gradient; two ranks (client i on rank i mod 2) summed give the same number."""
+    lam, mu = 2.0, 0.3
+    data = regression([5, 8, 3, 6, 7])
+    parts = lambda: [FBE(lam=lam, regularizer=l1(mu))]  # noqa: E731
+    fed = _fed(data, parts(), clients_per_round=2, local_steps=2, batch_size=3)
+    run_rounds(fed, 1)
+    w = flat(fed.params)
+    hand = []
+    for r in data.client_indices:
+        g = grad(data.x[r], data.y[r], w)
+        v = w - g / lam
+        p = prox(v, mu / lam)
+        f = loss(data.x[r], data.y[r], w)
+        hand.append(f - float(g @ g) / (2 * lam) + mu * float(p[:-1].abs().sum()) + lam / 2 * float((p - v) @ (p - v)))
+    assert fbe_objective(fed, lam, fed.parts[0].reg) == pytest.approx(sum(hand) / 5, abs=1e-12)
+    shares: dict[int, Tensor] = {}
+
+    def keep(r: int):
+        def reduce_sum(t: Tensor) -> Tensor:
+            shares[r] = t.clone()
+            return t
+
+        return reduce_sum
+
+    for r in (0, 1):
+        other = make_fed(linear(3, 1, dtype=f64), data, parts(), loss_fn=mse, rank=r, world_size=2, reduce_sum=keep(r))
+        with torch.no_grad():
+            torch._foreach_copy_(other.params, fed.params)
+        fbe_objective(other, lam, other.parts[0].reg)
+    assert float((shares[0] + shares[1]).mean()) == pytest.approx(sum(hand) / 5, abs=1e-12)
+    assert all(float(shares[r][i]) == 0 for r in (0, 1) for i in range(5) if i % 2 != r)

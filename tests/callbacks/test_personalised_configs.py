@@ -45,6 +45,11 @@ DRFA = [
     "+algo.parts.lambda_sampling.gamma=0.05",
 ]
 
+OBJECTIVE = [
+    "+algo.parts.objective._target_=flx.callbacks.objective.Objective",
+    '+algo.parts.objective.regularizer={name: l1, mu: 0.1, params: ["*weight"]}',
+]
+
 
 def _fit(out: Path, *overrides: str):
     cfg = precheck([*TINY, *overrides, f"paths.output_dir={out}"])
@@ -66,12 +71,20 @@ def _fit(out: Path, *overrides: str):
     ids=["pfedfbe-l1", "pfedfbe-fd-same", "pfedme", "ditto", "fedprox_personal", "fedavg_personal"],
 )
 def test_each_algorithm_logs_finite_personal_metrics(tmp_path: Path, overrides: tuple[str, ...]) -> None:
-    _, trainer = _fit(tmp_path, *overrides)
+    """With the Objective part (h = 0.1 ||weight||_1): the personalised objectives on the training rows and on each
+    client's test rows are logged for every algorithm, pFedFBE's envelope objective for pFedFBE; FedAvg's personalised
+    model is the global one, so its personalised objective is its objective and its test form is the per-client test
+    MSE (the task loss) plus h(w)."""
+    _, trainer = _fit(tmp_path, *overrides, *OBJECTIVE)
     m = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    for key in ("test/personal_mse_mean", "test/personal_mse_worst", "test/personal_mse_p10", "train/loss"):
+    keys = ("test/personal_mse_mean", "test/personal_mse_worst", "test/personal_mse_p10", "train/loss")
+    for key in (*keys, "train/personal_objective", "test/personal_objective"):
         assert math.isfinite(m[key]), (key, m)
+    assert ("train/fbe_objective" in m) == (overrides[0] == "algo=pfedfbe")
     if overrides[0] == "algo=fedavg_personal":
         assert m["test/personal_mse_mean"] == pytest.approx(m["test/client_mse_mean"], rel=1e-6)
+        assert m["train/personal_objective"] == pytest.approx(m["train/objective"], rel=1e-6)
+        assert m["test/personal_objective"] == pytest.approx(m["test/client_mse_mean"] + m["train/h"], rel=1e-6)
 
 
 def test_pfedfbe_with_drfa_lambda_and_a_zero_prox_term_from_the_command_line(tmp_path: Path) -> None:

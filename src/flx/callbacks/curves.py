@@ -44,6 +44,9 @@ TRACKED = (
     # composite objectives (flx.callbacks.objective) and personalised models (pFedFBE and its baselines)
     "train/objective",
     "train/h",
+    "train/personal_objective",
+    "train/fbe_objective",
+    "test/personal_objective",
     *(f"test/personal_{key}_mean" for key in ("acc", "mse")),
     # structure of the global and personalised models (flx.callbacks.structure; logged in the validation loop)
     *(

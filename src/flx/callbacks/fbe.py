@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from typing_extensions import override
@@ -118,12 +119,27 @@ def fbe_value(fed: Federation, rows: Tensor, lam: float, reg: Regularizer | None
     try:
         w = [p.detach() for p in fed.params]
         g = full_grad(fed, w, rows)
-        f = fed.eval_loss(rows)
+        f = fed.eval_loss_tensor(rows)  # on the device: no host read per client
     finally:
         fed.net.train(was_training)
     v = torch._foreach_add(w, g, alpha=-1.0 / lam)
     p = reg.prox(v, 1.0 / lam)
     return f - _sq(g) / (2 * lam) + reg.value(p).double() + lam / 2 * _sq(torch._foreach_sub(p, v))
+
+
+def fbe_objective(fed: Federation, lam: float, reg: Regularizer | None = None) -> float:
+    """:math:`F(w) = \\frac1N \\sum_i F_i(w)` (Eq. 7) of the net's parameters, each :math:`F_i` (:func:`fbe_value`)
+    on client :math:`i`'s full training rows (a client without rows counts 0, as in ``train/objective``). Client
+    :math:`i` on rank :math:`i \\bmod` world size, one sum over the ranks: call it on every rank."""
+    with torch.inference_mode(False), torch.enable_grad():  # Lightning evaluates under inference mode
+        out = torch.zeros(fed.num_clients, dtype=torch.float64, device=fed.params[0].device)
+        for cid in range(fed.rank, fed.num_clients, fed.world_size):
+            rows = fed.data.client_indices[cid]
+            if len(rows):
+                out[cid] = fbe_value(fed, rows, lam, reg).detach()
+        if fed.world_size > 1 and fed.reduce_sum is not None:
+            out = fed.reduce_sum(out)
+        return float(out.mean())
 
 
 def _sq(tensors: Sequence[Tensor]) -> Tensor:
@@ -153,7 +169,8 @@ class FBEParams:
 
 class FBE(FederatedCallback):
     """pFedFBE's local step (``on_local_grad``) and personalised model (``personalize``); ``regularizer``: a
-    :class:`~flx.regularizers.Regularizer` or its config ``{name, mu, params, ...}`` (None: :math:`h = 0`)."""
+    :class:`~flx.regularizers.Regularizer` or its config ``{name, mu, params, ...}`` (None: :math:`h = 0`). At every
+    validation and at the test it logs ``train/fbe_objective``, :math:`F(w)` of Eq. 7 (:func:`fbe_objective`)."""
 
     headline = PERSONAL_HEADLINE
 
@@ -175,6 +192,26 @@ class FBE(FederatedCallback):
     @override
     def on_attach(self, fed: Federation) -> None:
         self.reg.bind(fed.net)
+
+    @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("train/fbe_objective",)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_objective(trainer, pl_module)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_objective(trainer, pl_module)
+
+    def _log_objective(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``train/fbe_objective`` (:func:`fbe_objective`) of the global model, once it exists."""
+        fed = getattr(pl_module, "federation", None)
+        if trainer.sanity_checking or fed is None or fed.rnd is None:
+            return
+        value = fbe_objective(fed, self.params.lam, self.reg)  # the same on every rank after the sum
+        pl_module.log("train/fbe_objective", value, sync_dist=True, add_dataloader_idx=False)
 
     @override
     def on_client_start(self, fed: Federation, client: ClientContext) -> None:

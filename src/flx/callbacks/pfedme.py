@@ -16,18 +16,24 @@ the authors' code does. With a regulariser :math:`h` (pFedFBE's composite settin
 gradient steps on :math:`f_i + h + \frac{\lambda}{2} \lVert \theta - w \rVert^2`: our extension for the composite
 experiments, the identity for :math:`h = 0`.
 
-Deviations: Algorithm 1 lets every client compute and the server aggregate a sample; here only the cohort trains, so
-a client's personal model :math:`\theta_i` (the last local step's, kept in ``client.state`` on the CPU store, never as
-per-client copies on the accelerator) is from the last round it took part in, and a client never sampled is evaluated
-with the global model. ``personal=solve`` instead solves the inner problem at evaluation from the current global
-model (:math:`K` full-batch steps on the client's training rows). The step's training loss is the task loss of
-:math:`w` on :math:`D` before the step, in eval mode (:meth:`~flx.federation.Federation.eval_loss`).
+The evaluated personal model (``personal``): ``optimum`` (the default) is the paper's :math:`\theta_i(w)` of Eqs.
+2-3 at the current global model, the inner problem solved on the client's training rows to ``personal_tol`` (relative
+gradient-mapping norm, null: the dtype's default) in at most ``personal_max_steps`` iterations
+(:func:`flx.callbacks.moreau.moreau_solve`; a warning, once, when a client reaches the cap), memoised per client for
+as long as the global model is unchanged (the evaluation, the structure metrics and the objective ask for the same
+model; the memo is a pure function of :math:`w`, kept on the CPU, dropped when :math:`w` changes). ``stored`` is the
+last local step's :math:`\theta` of the client's last round (kept in ``client.state`` on the CPU store, never as
+per-client copies on the accelerator; Algorithm 1 lets every client compute while only the cohort trains here), the
+global model for a client never sampled. ``steps`` (formerly ``solve``) runs :math:`K` full-batch inner steps from the
+current global model. The step's training loss is the task loss of :math:`w` on :math:`D` before the step, in eval
+mode (:meth:`~flx.federation.Federation.eval_loss`).
 
 Symbols: ``lam`` (:math:`\lambda`), ``personal_lr`` (:math:`\nu`), ``inner_steps`` (:math:`K`), ``eta`` (``algo.lr``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +43,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.callbacks.fbe import as_regularizer, full_grad
+from flx.callbacks.moreau import default_tol, moreau_solve
 from flx.callbacks.personal_model import install, keep, stored
 from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
@@ -46,19 +53,23 @@ if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig
     from flx.federation import Federation
 
-PERSONAL = ("stored", "solve")
+log = logging.getLogger(__name__)
+
+PERSONAL = ("optimum", "stored", "steps")
 _THETA = "pfedme/theta/"  # client.state keys: _THETA + index into fed.params
 
 
 @dataclass(frozen=True)
 class PFedMeParams:
     """``lam`` (:math:`\\lambda`), ``personal_lr`` (:math:`\\nu`), ``inner_steps`` (:math:`K`), the evaluation's
-    personal model (``stored`` or ``solve``)."""
+    personal model (``optimum``, ``stored`` or ``steps``) and the ``optimum`` solver's tolerance and step cap."""
 
     lam: float = 15.0
     personal_lr: float = 0.09
     inner_steps: int = 5
-    personal: str = "stored"
+    personal: str = "optimum"
+    personal_tol: float | None = None  # None: flx.callbacks.moreau.default_tol of the parameters' dtype
+    personal_max_steps: int = 1000
 
 
 def inner_solve(
@@ -88,8 +99,17 @@ class PFedMe(FederatedCallback):
         if p.inner_steps < 1:
             raise bad_value("algo.inner_steps", p.inner_steps, "the inner steps K, >= 1")
         if p.personal not in PERSONAL:
-            raise bad_value("algo.personal", p.personal, f"allowed: {', '.join(PERSONAL)}")
+            renamed = " ('solve' is now 'steps')" if p.personal == "solve" else ""
+            raise bad_value("algo.personal", p.personal, f"allowed: {', '.join(PERSONAL)}{renamed}")
+        if p.personal_tol is not None and not (isinstance(p.personal_tol, (int, float)) and 0 < p.personal_tol < 1):
+            raise bad_value("algo.personal_tol", p.personal_tol, "the relative tolerance, in (0, 1), or null")
+        steps = p.personal_max_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise bad_value("algo.personal_max_steps", p.personal_max_steps, "an integer >= 1")
         self.reg = as_regularizer(regularizer)
+        self.memo: dict[int, list[Tensor]] = {}  # cid -> theta_i(w) (optimum), on the CPU, for the global model below
+        self.memo_w: list[Tensor] | None = None
+        self.warned = False
 
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
@@ -118,12 +138,39 @@ class PFedMe(FederatedCallback):
 
     @override
     def personalize(self, fed: Federation, cid: int) -> Any:
-        if self.params.personal == "solve":
-            rows = fed.data.client_indices[cid]
-            return install(fed, self._solve(fed, rows)) if len(rows) else None
-        theta = stored(fed, cid, _THETA)
-        return install(fed, theta) if theta is not None else None  # never trained: the global model
+        if self.params.personal == "stored":
+            theta = stored(fed, cid, _THETA)
+            return install(fed, theta) if theta is not None else None  # never trained: the global model
+        rows = fed.data.client_indices[cid]
+        if not len(rows):
+            return None
+        optimum = self.params.personal == "optimum"
+        return install(fed, self._optimum(fed, cid, rows) if optimum else self._steps(fed, rows))
 
-    def _solve(self, fed: Federation, rows: Tensor) -> list[Tensor]:
+    def _steps(self, fed: Federation, rows: Tensor) -> list[Tensor]:
         w = [q.detach().clone() for q in fed.params]
         return inner_solve(fed, [t.clone() for t in w], w, rows, self.params, self.reg)
+
+    def _optimum(self, fed: Federation, cid: int, rows: Tensor) -> list[Tensor]:
+        """:math:`\\theta_i(w)` solved to the tolerance, from the memo while the global model is the one it was
+        solved at."""
+        w = [q.detach() for q in fed.params]
+        if self.memo_w is None or not all(torch.equal(a, b) for a, b in zip(self.memo_w, w)):
+            self.memo, self.memo_w = {}, [t.clone() for t in w]
+        if cid not in self.memo:
+            p = self.params
+            theta, steps, rel = moreau_solve(fed, w, rows, p.lam, self.reg, p.personal_tol, p.personal_max_steps)
+            tol = default_tol(w[0].dtype) if p.personal_tol is None else p.personal_tol
+            if steps == p.personal_max_steps and rel > tol and not self.warned:  # a stall is the net's kinks
+                self.warned = True
+                log.warning(
+                    "flx: pFedMe's personal model of client %d stopped at algo.personal_max_steps=%d iterations "
+                    "with relative gradient-mapping norm %.3g > algo.personal_tol=%.3g; the last iterate is used, "
+                    "raise the cap or the tolerance (warned once)",
+                    cid,
+                    steps,
+                    rel,
+                    tol,
+                )
+            self.memo[cid] = [t.detach().cpu() for t in theta]
+        return self.memo[cid]
