@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import tracemalloc
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -123,17 +124,14 @@ def test_a_fedavg_round_steps_on_the_configured_stream(minibatch: str) -> None:
     model to rounding (float64), and under the other stream a different one."""
     seed, lr = 7, 0.2
     data = toy_data([11], dtype=torch.float64)
-    fed = make_fed(
-        linear(dtype=torch.float64),
-        data,
-        clients_per_round=1,
-        local_steps=5,
-        batch_size=4,
-        lr=lr,
-        seed=seed,
-        minibatch=minibatch,
-    )
-    run_rounds(fed, 1)
+
+    def trained(stream: str) -> Any:
+        fed = make_fed(linear(dtype=torch.float64), data, clients_per_round=1, local_steps=5, batch_size=4, lr=lr,
+                       seed=seed, minibatch=stream)  # fmt: skip
+        run_rounds(fed, 1)
+        return fed
+
+    fed = trained(minibatch)
     ref = linear(dtype=torch.float64)
     gen = _gen(derive_seed(seed, 0, 0))
     for rows in MINIBATCH_STREAMS[minibatch](data.client_indices[0], 4, 5, gen, 1):
@@ -144,17 +142,7 @@ def test_a_fedavg_round_steps_on_the_configured_stream(minibatch: str) -> None:
                 q -= lr * q.grad
     for got, want in zip(fed.net.parameters(), ref.parameters()):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    other = make_fed(
-        linear(dtype=torch.float64),
-        data,
-        clients_per_round=1,
-        local_steps=5,
-        batch_size=4,
-        lr=lr,
-        seed=seed,
-        minibatch=next(m for m in MINIBATCH_STREAMS if m != minibatch),
-    )
-    run_rounds(other, 1)
+    other = trained(next(m for m in MINIBATCH_STREAMS if m != minibatch))
     assert not torch.allclose(next(other.net.parameters()), next(fed.net.parameters()))
 
 
