@@ -1,13 +1,16 @@
-"""What the reproduction scripts share: the per-round curve figure, the mean ± std cell of a results table, and the
-step-size search of ``--tune``."""
+"""What the reproduction scripts share: the per-round curve figure, the mean ± std cell of a results table, the
+step-size search of ``--tune`` and the runner of ``--jobs``."""
 
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import statistics
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 QUIET_CPU = [
     "logger=none",
@@ -123,3 +126,24 @@ def save_tuned(path: Path, tuned: dict) -> None:
     the table, so that a reader sees what was searched and what each candidate scored."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+
+
+class InlineExecutor(Executor):
+    """Runs each submitted call at once, in this process (``--jobs 1``): the same code path as a pool, in order."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 - kept in the future, raised by .result() as a pool's would be
+            future.set_exception(e)
+        return future
+
+
+def executor(jobs: int) -> Executor:
+    """Where the runs of a reproduction go: this process (``jobs`` <= 1) or ``jobs`` fresh worker processes (spawned:
+    no torch state forked; each run's randomness comes from its own seed, so the results do not depend on ``jobs``).
+    Use one job per free core: every run is one thread (``num_threads=1``)."""
+    if jobs <= 1:
+        return InlineExecutor()
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))

@@ -5,6 +5,7 @@
     .venv/bin/python scripts/reproduce/pfedfbe.py --seeds 0 --rounds 50 --settings lasso2 matrix
     .venv/bin/python scripts/reproduce/pfedfbe.py --seeds 0 --rounds 1000 --methods pFedFBE FedMiD   # longer runs
     .venv/bin/python scripts/reproduce/pfedfbe.py --tune                 # the baselines' step sizes tuned first
+    .venv/bin/python scripts/reproduce/pfedfbe.py --tune --jobs 2        # 2 runs at once (the same numbers)
 
 Settings (`--settings`): `lasso1`, `lasso2` (federated Lasso (I) and (II), §4.1), `matrix` (matrix completion, §4.2)
 and `mnist` (the MLP with a nonsmooth l2 norm on its weights, §4.3, on the embedded 8x8 digits; `--set data=mnist`
@@ -25,7 +26,8 @@ Writes `docs/results/pfedfbe/{table.md,table.csv,<setting>.png}`: per setting an
 objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.callbacks.objective`), the mean personalised
 objective `mean_j f_j(theta_j) + h(theta_j)` and pFedFBE's envelope objective (Eq. 7), the support scores (Lasso:
 global model in (I), personalised models in (II), as the paper), the rank and recovery error of the personalised
-models (matrix completion), the global and personalised test metric, mean ± std over seeds; and the curves per round.
+models (matrix completion), the global and personalised test metric, mean ± std over seeds; and the curves, a point
+every 5 rounds (``EVAL_EVERY``; every round when 5 does not divide the rounds).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import math
 import os
 import sys
 import tempfile
+from concurrent.futures import Future
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_CPU, TUNE_SEED, mean_std, plot_curves, save_tuned, tune  # noqa: E402
+sys.path.insert(0, str(ROOT / "src"))  # flx, here and in the --jobs workers (they import this module)
+from common import QUIET_CPU, TUNE_SEED, executor, mean_std, plot_curves, save_tuned, tune  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "pfedfbe"
 BASE = [
@@ -82,10 +86,16 @@ METHODS = {  # name -> (algo, uses h in its steps, settings it runs in)
     "pFedFBE": ("pfedfbe", True, ("lasso1", "lasso2", "matrix", "mnist")),
 }
 SUPPORT = ("support_f1", "support_precision", "support_recall", "density")
+# the global and personalised models are evaluated every 5 rounds (the curves' points): pFedMe's personalised model
+# is solved to tolerance at every evaluation (~3.5 s a round on Lasso II, 30 clients); training does not depend on it
+EVAL_EVERY = 5
 # --tune: each baseline's step size algo.lr over these multiples of pFedFBE's eta (the paper: "we tune the step sizes
 # of the baselines", values not reported), on seed TUNE_SEED, by the final training objective F(w) (its figures' main
 # panel); pFedFBE keeps the paper's eta. Larger multiples diverge on the generated data (L ~ 1e3, eta <= ~1e-3)
 TUNE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+# overrides of the tuning runs only: pFedMe's evaluated personal model (algo.personal) does not change its training,
+# and the selection metric is the global model's objective, so its tuning runs skip the per-round optimum solve
+TUNE_ONLY = {"pFedMe": ["algo.personal=stored"]}
 
 
 def overrides(setting: str, method: str, lr: float | None = None) -> list[str]:
@@ -111,7 +121,10 @@ def run(args: list[str], seed: int, rounds: int) -> tuple[dict, dict]:
     from flx.run import train
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = precheck([*BASE, *args, f"seed={seed}", f"algo.rounds={rounds}", f"paths.output_dir={out}"])
+        # evaluated every EVAL_EVERY rounds if that divides the rounds (the last is always evaluated: the tables'
+        # values), else every round
+        every = f"eval_every={math.gcd(EVAL_EVERY, rounds)}"
+        cfg = precheck([*BASE, every, *args, f"seed={seed}", f"algo.rounds={rounds}", f"paths.output_dir={out}"])
         final = train(cfg)
         curves = json.loads((Path(out) / "curves.json").read_text())
     return final, curves
@@ -159,30 +172,50 @@ def main(argv: list[str]) -> None:
         action="store_true",
         help=f"tune each baseline's algo.lr over {TUNE_FACTORS} x eta on seed {TUNE_SEED} first (tuned.json)",
     )
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, in worker processes (one per free core)")
     args = parser.parse_args(argv)
     OUT = Path(args.out) if args.out else OUT
     seeds = args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
     rounds = args.rounds or (3 if args.quick else None)
-    BASE.extend(args.set)
-    sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
     command = "python scripts/reproduce/pfedfbe.py " + " ".join(argv)
-    sections, csv_rows, header_csv = [], [], ["setting", "method", "rounds", "seeds", "lr"]
+    plan = [
+        (setting, method)
+        for setting in args.settings
+        for method, (_, _, where) in METHODS.items()
+        if setting in where and method in args.methods
+    ]
+    n_of = {setting: rounds or SETTINGS[setting][5] for setting in args.settings}
+    pool = executor(args.jobs)
+    # every tuning run first (each baseline's grid, on TUNE_SEED), then each method's reported runs once its step
+    # size is chosen: with --jobs the pool never waits for one method's tuning while others are queued
+    searches = {
+        (setting, method): {
+            lr: pool.submit(run, [*args.set, *overrides(setting, method, lr), *TUNE_ONLY.get(method, [])], TUNE_SEED,
+                            n_of[setting])
+            for lr in _grid(setting)
+        }
+        for setting, method in plan
+        if args.tune and method != "pFedFBE"
+    }  # fmt: skip
     tuned: dict[str, dict] = {}
+    reported = {}
+    for setting, method in plan:
+        lr = SETTINGS[setting][3]
+        if (setting, method) in searches:
+            lr = _tune(setting, method, n_of[setting], searches[(setting, method)], tuned)
+        runs = [pool.submit(run, [*args.set, *overrides(setting, method, lr)], seed, n_of[setting]) for seed in seeds]
+        reported[(setting, method)] = (lr, runs)
+    sections, csv_rows, header_csv = [], [], ["setting", "method", "rounds", "seeds", "lr"]
     for setting in args.settings:
-        label, n = SETTINGS[setting][0], rounds or SETTINGS[setting][5]
-        cols = columns(setting)
+        label, n, cols = SETTINGS[setting][0], n_of[setting], columns(setting)
         rows, curves = [], {}
-        for method, (_, _, where) in METHODS.items():
-            if setting not in where or method not in args.methods:
-                continue
-            lr = SETTINGS[setting][3]
-            if args.tune and method != "pFedFBE":
-                lr = _tune(setting, method, n, tuned)
+        for method in [m for s, m in plan if s == setting]:
+            lr, runs = reported[(setting, method)]
             results = []
-            for seed in seeds:
-                final, curve = run(overrides(setting, method, lr), seed, n)
+            for seed, future in zip(seeds, runs):
+                final, curve = future.result()
                 results.append((final, curve))
                 curves.setdefault(method, curve)
                 obj = _value(final, curve, "curve:train/objective")
@@ -194,25 +227,29 @@ def main(argv: list[str]) -> None:
             )
         sections.append((label, n, ["method", "step size", *(h for h, _ in cols)], rows))
         _plot(setting, label, curves)
+    pool.shutdown()
     if tuned:
         save_tuned(OUT / "tuned.json", tuned)
     _write(command, seeds, sections, header_csv, csv_rows, args.tune)
     print((OUT / "table.md").read_text())
 
 
-def _tune(setting: str, method: str, rounds: int, tuned: dict[str, dict]) -> float:
-    """The baseline's step size: the multiple of eta with the lowest final training objective on seed
-    :data:`TUNE_SEED`; recorded in ``tuned``."""
-    eta = SETTINGS[setting][3]
-    grid = [eta * f for f in TUNE_FACTORS]
+def _grid(setting: str) -> list[float]:
+    """The step sizes ``--tune`` tries in ``setting``: :data:`TUNE_FACTORS` x pFedFBE's eta."""
+    return [SETTINGS[setting][3] * f for f in TUNE_FACTORS]
+
+
+def _tune(setting: str, method: str, rounds: int, runs: dict[float, Future], tuned: dict[str, dict]) -> float:
+    """The baseline's step size: the multiple of eta whose run (``runs``, on seed :data:`TUNE_SEED`) ended with the
+    lowest training objective; recorded in ``tuned``."""
 
     def objective(lr: float) -> float:
-        final, curve = run(overrides(setting, method, lr), TUNE_SEED, rounds)
+        final, curve = runs[lr].result()
         value = _value(final, curve, "curve:train/objective")
         print(f"  tune {setting} {method} lr={lr:g}: objective={value:.4f}", flush=True)
         return value
 
-    best, scores = tune(grid, objective)
+    best, scores = tune(_grid(setting), objective)
     tuned.setdefault(setting, {})[method] = {
         "lr": best,
         "scores": {f"{lr:g}": v for lr, v in scores.items()},

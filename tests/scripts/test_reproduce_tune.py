@@ -167,3 +167,23 @@ def test_drfa_tune_takes_eta_from_fedavg_then_q_on_its_own_seed(
     assert "data.val_fraction=0" in drfa.BASE  # ... with every training row in a client
     table = (tmp_path / "table.md").read_text()
     assert f"tuned on seed {common.TUNE_SEED}" in table and f"| q-FedAvg | 10 | {lr:g} | q = {q:g} |" in table
+
+
+def _square_or_fail(x: int) -> int:
+    if x < 0:
+        raise ValueError(f"negative: {x}")
+    return x * x
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_executor_returns_each_result_in_order_and_raises_a_failed_runs_error(jobs: int) -> None:
+    """``--jobs``: the inline runner (1) and the worker processes (2) give the same results, and a failed run's
+    exception comes out of its ``result()`` (where ``tune`` ranks it last), not out of ``submit``."""
+    pool = common.executor(jobs)
+    futures = [pool.submit(_square_or_fail, x) for x in (3, -1, 4)]
+    assert futures[0].result() == 9 and futures[2].result() == 16
+    with pytest.raises(ValueError, match="negative: -1"):
+        futures[1].result()
+    best, scores = common.tune([3.0, -1.0, 4.0], lambda x: pool.submit(_square_or_fail, int(x)).result())
+    assert (best, scores) == (3.0, {3.0: 9.0, -1.0: math.inf, 4.0: 16.0})
+    pool.shutdown()
