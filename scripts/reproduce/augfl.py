@@ -33,6 +33,7 @@ import csv
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -132,7 +133,7 @@ def main(argv: list[str]) -> None:
     seeds = args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    command = "python scripts/reproduce/augfl.py " + " ".join(argv)
+    command = "python scripts/reproduce/augfl.py " + shlex.join(argv)  # quoted: runnable as printed
     lines = [f"Produced by `{command.strip()}` (seeds {seeds}; mean ± std over seeds, in %; {HOW}).", ""]
     rows_csv = []
     OUT.mkdir(parents=True, exist_ok=True)

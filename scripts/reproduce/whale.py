@@ -72,6 +72,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -259,7 +260,7 @@ def main(argv: list[str]) -> None:
     seeds = args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
     sys.path.insert(0, str(ROOT / "src"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    command = "python scripts/reproduce/whale.py " + " ".join(argv)
+    command = "python scripts/reproduce/whale.py " + shlex.join(argv)  # quoted: runnable as printed
     lines = [f"Produced by `{command.strip()}` (seeds {seeds}; mean ± std over seeds; {HOW}).", ""]
     rows_csv, missing = [], []
     OUT.mkdir(parents=True, exist_ok=True)
