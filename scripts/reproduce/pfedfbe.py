@@ -181,6 +181,8 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, in worker processes (one per free core)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"argument --jobs: {args.jobs}: must be at least 1")
     OUT = Path(args.out) if args.out else OUT
     seeds = args.seeds if args.seeds is not None else [0] if args.quick else [0, 1, 2]
     rounds = args.rounds or (3 if args.quick else None)
