@@ -11,7 +11,7 @@ from torch import nn
 
 from flx.federation import derive_seed, local_batches, shard_greedy, uniform_cohort
 from flx.hooks import FederatedCallback
-from flx.sampling import derive_seeds
+from flx.sampling import NUMPY_FROM, derive_seeds
 
 
 def test_one_client_fedavg_equals_centralised_sgd() -> None:
@@ -429,11 +429,15 @@ def test_derive_seeds_equals_derive_seed_bit_for_bit() -> None:
     cids = np.concatenate([[0, 1, 2**32 - 1], rng.integers(0, 2**32, 40)])
     for seed in (0, 7, 2**40 + 5, 2**63 - 1):
         for rnd in (0, 3, 10**6):
-            assert derive_seeds(seed, rnd, cids).tolist() == [derive_seed(seed, rnd, int(c)) for c in cids]
-            assert derive_seeds(seed, rnd, cids, 2).tolist() == [derive_seed(seed, rnd, int(c), 2) for c in cids]
+            for n in (len(cids), NUMPY_FROM, NUMPY_FROM - 1, 1):  # numpy's path, and one SeedSequence each
+                some = cids[:n]
+                assert derive_seeds(seed, rnd, some).tolist() == [derive_seed(seed, rnd, int(c)) for c in some]
+                assert derive_seeds(seed, rnd, some, 2).tolist() == [derive_seed(seed, rnd, int(c), 2) for c in some]
     assert derive_seeds(1, 2, np.array([], dtype=np.int64)).tolist() == []
     with pytest.raises(ValueError, match="2\\*\\*32"):
         derive_seeds(0, 0, np.array([2**32]))
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        derive_seeds(0, 0, np.array([-1, 3]))
 
 
 @pytest.mark.parametrize(("steps", "epochs", "expected"), [(3, None, ((0, 2), (1, 3))), (None, 1, ((0,), (1, 2, 3)))])

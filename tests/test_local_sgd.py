@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
-from flx import federation
+from flx import federation, local_sgd
 from flx.hooks import FederatedCallback
-from flx.local_sgd import clear_grads, is_plain_sgd, sgd_step
+from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 
 
 def _pair(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
@@ -100,3 +100,22 @@ def test_federation_rounds_equal_torch_sgd_rounds(monkeypatch: pytest.MonkeyPatc
     for name in ("fast", "hooked"):
         assert all(torch.equal(p, q) for p, q in zip(runs[name][0], runs["torch"][0])), name
         assert runs[name][1] == runs["torch"][1]
+
+
+@pytest.mark.parametrize("label_rows", [1 << 16, 7])  # every step in one gather; groups of >= 7 rows (3 steps)
+@pytest.mark.parametrize("y_dtype", [torch.int64, torch.float32])
+def test_minibatches_are_one_gather_each(monkeypatch: pytest.MonkeyPatch, label_rows: int, y_dtype: torch.dtype):
+    """``minibatches`` yields ``(x[rows], y[rows])`` of every step, in order, equal to one gather each; integer labels
+    come from one gather per group of steps (views of it), float targets and the inputs from one gather a step."""
+    monkeypatch.setattr(local_sgd, "LABEL_ROWS", label_rows)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 3, generator=gen), torch.randint(0, 5, (40,), generator=gen).to(y_dtype)
+    steps = [torch.randint(0, 40, (n,), generator=gen) for n in (3, 3, 2, 3, 1, 3, 3)]
+    got = list(minibatches(x, y, iter(steps)))
+    assert len(got) == len(steps)
+    for (xb, yb), rows in zip(got, steps):
+        assert torch.equal(xb, x[rows]) and torch.equal(yb, y[rows]) and yb.dtype == y_dtype
+        assert xb.storage_offset() == 0  # the inputs: a gather of their own, never a view into a larger one
+    views = sum(yb.storage_offset() > 0 for _, yb in got)
+    assert views == (0 if y_dtype.is_floating_point else {1 << 16: 6, 7: 4}[label_rows])
+    assert list(minibatches(x, y, iter([]))) == []

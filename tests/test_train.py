@@ -322,6 +322,35 @@ def test_precision_plugins(tmp_path: Path, precision: str) -> None:
     assert 0.0 <= float(trainer.callback_metrics["val/acc"]) <= 1.0
 
 
+class RoundEndLog(FederatedCallback):
+    """Test part: logs ``part/round`` (the 1-based round) with ``self.log`` at each round's end, as DRFA's lambda
+    and WHALE-FL's utility are logged."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("part/round", float(trainer.current_epoch + 1), on_epoch=True)
+
+
+def test_round_scalars_reach_monitors_and_one_csv_row_per_round(tmp_path: Path) -> None:
+    """``train/loss`` is in ``trainer.callback_metrics`` as ``self.log(..., on_epoch=True)`` put it: a float32 scalar
+    of the federation's mean loss, seen by the monitoring callbacks (``checkpoint.monitor=train/loss``,
+    ``mode=min``: best.ckpt is the round with the lowest loss in the CSV). The CSV has one row per round holding
+    ``train/loss``, the round's ``fl/*`` counters and what a part logged with ``self.log`` at the round's end."""
+    part = f"+algo.parts.tick._target_={__name__}.RoundEndLog"
+    monitor = ["checkpoint.monitor=train/loss", "checkpoint.mode=min", "checkpoint.min_seconds=0"]
+    dm, module, trainer = build(compose(tmp_path, *SMALL, "logger=csv", "algo.rounds=5", part, *monitor))
+    trainer.fit(module, datamodule=dm)
+    loss = trainer.callback_metrics["train/loss"]
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert loss == torch.tensor(module.federation.train_loss, dtype=torch.float32)
+    rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "metrics.csv")) if r.get("train/loss")]
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [float(r["part/round"]) for r in rows] == [float(r["fl/round"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert float(rows[-1]["train/loss"]) == float(loss)
+    losses = [float(r["train/loss"]) for r in rows]
+    best = ckpt(tmp_path / "checkpoints" / "best.ckpt")["flx"]["round"]
+    assert losses[best - 1] == min(losses)
+
+
 def test_disk_state_store_matches_memory(tmp_path: Path) -> None:
     """state_store.backend=disk checkpoints the same client state as memory, as a table of (client, file) rather than
     the tensors; its folder holds exactly the files the kept checkpoints (rounds 3 and 4, keep_last=2, and best.ckpt,

@@ -40,7 +40,7 @@ from flx.threads import short_wait
 CASES = {"mlp": MAKE_TRAIN, "cnn": WORKLOADS["a"]}
 # rounds per run: a few seconds of rounds on this 2-core machine when idle; busy, a third of the MLP's (the plain
 # loop's collapse makes its runs ~30x longer). The CNN's 2 (workload a's own): flx's first round also measures the
-# divergence rule's initial loss (a forward of the cohort's first 4,096 rows), which one round alone would overweight
+# divergence rule's initial loss (a forward of the cohort's first 512 rows), which one round alone would overweight
 ROUNDS = {"idle": {"mlp": 100, "cnn": 2}, "busy": {"mlp": 33, "cnn": 2}}
 VARIANTS = ("plain", "plain passive", "plain short", "flx", "flx 1")
 IDLE_TARGET, BUSY_TARGET, COLLAPSE = 1.05, 1.0, 5.0

@@ -18,6 +18,7 @@ gives the same model on 1 process or on N.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -32,7 +33,7 @@ from flx.context import ClientContext, ClientData, FederationConfig, RoundContex
 from flx.datamodules.ragged import Ragged
 from flx.faults import DivergenceWatch, RoundFaults, all_finite, check_global_model, judge, knob
 from flx.hooks import HOOKS, FederatedCallback, overrides
-from flx.local_sgd import clear_grads, is_plain_sgd, sgd_step
+from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 from flx.sampling import (
     MINIBATCH_STREAMS,
     SAMPLE_TAG,
@@ -253,8 +254,9 @@ class Federation:
     def begin_round(self, round_idx: int) -> RoundContext:
         """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
         self._widths, self._widths_open = {}, True
-        ids, counts = np.unique(np.asarray(self.sample(round_idx), dtype=np.int64), return_counts=True)
-        cohort, mult = tuple(int(c) for c in ids), tuple(int(c) for c in counts)
+        draws = Counter(self.sample(round_idx))  # the distinct clients, sorted, and how often each was drawn
+        cohort = tuple(sorted(draws))
+        mult = tuple(draws[c] for c in cohort)
         self._multiplicity = dict(zip(cohort, mult))
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
         # an empty batch and add nothing to the aggregate
@@ -263,8 +265,8 @@ class Federation:
         self._assign_copies(shards)
         slots = max(len(s) for s in shards)
         self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
-        mine = np.unique(np.asarray(self.rnd.shard, dtype=np.int64))  # copy 0's seeds, for all of them at once
-        self._seeds = dict(zip(mine.tolist(), derive_seeds(self.cfg.seed, round_idx, mine).tolist()))
+        mine = sorted(set(self.rnd.shard))  # copy 0's seeds, for all of them at once
+        self._seeds = dict(zip(mine, derive_seeds(self.cfg.seed, round_idx, np.array(mine, dtype=np.int64)).tolist()))
         with torch.no_grad():
             _copy(self.global_params, [p.detach() for p in self.params])
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
@@ -588,9 +590,9 @@ class Federation:
             # .batch, .outputs) that only step hooks read
             net, loss_fn = self.net, self.loss_fn
             with self.step_context():
-                for rows in default:  # exactly client.num_steps minibatches
+                for xb, yb in minibatches(x, y, default):  # exactly client.num_steps minibatches
                     zero_grad()
-                    loss = loss_fn(net(x[rows]), y[rows])
+                    loss = loss_fn(net(xb), yb)
                     loss.backward()
                     step()
                     losses.append(loss.detach())

@@ -1,4 +1,5 @@
-"""The local SGD step without ``torch.optim``'s per-call machinery, for plain SGD.
+"""The default local steps' fast path: the SGD step without ``torch.optim``'s per-call machinery, and the
+minibatches' labels gathered once per client.
 
 ``torch.optim.SGD.step`` and ``zero_grad`` take ~50 us a step on the CPU whatever the model: profiler ranges, step
 hooks, the grad-mode decorator, state and foreach bookkeeping. The arithmetic of a small model's step is a few
@@ -8,9 +9,14 @@ applies the same update with the same op, ``p += -lr * p.grad`` through ``torch.
 bitwise equal to ``SGD.step`` (on the CPU it runs tensor by tensor, as torch's single-tensor SGD does; on CUDA it is
 torch's default foreach path). Each group's ``lr`` is read at every step (parts may change it). ``torch.optim``'s
 step hooks do not run for these steps.
+
+:func:`minibatches` gathers a client's integer labels for all its steps in one index operation (the inputs stay one
+gather per step: see there).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -50,3 +56,41 @@ def sgd_step(opt: torch.optim.SGD) -> None:
         for lr, params in groups:
             if params:
                 torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
+
+
+LABEL_ROWS = 1 << 16
+"""The most rows of labels :func:`minibatches` gathers at once (512 KiB of int64 class ids)."""
+
+
+def minibatches(x: Tensor, y: Tensor, batches: Iterator[Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(x[rows], y[rows])`` for each ``rows`` of ``batches`` (a client's minibatch stream), the same values as one
+    gather each.
+
+    Integer labels (class ids) are gathered for consecutive steps at once (up to :data:`LABEL_ROWS` rows) and split
+    into views: one index operation for a small client's steps instead of one a step (~2 us each, a tenth of a small
+    model's overhead per step). Only there: a float tensor in a view at another memory offset can round differently
+    (measured: a 30-feature input gathered this way changed a model by 7e-8 after 10 rounds, as the same kernels took
+    another path), while integer labels are only looked up and compared. So inputs, and float targets, stay one gather
+    a step, and the model is bitwise what it was. The stream is drawn ahead of the steps (the client's generator draws
+    nothing else meanwhile).
+    """
+    if y.dtype.is_floating_point or y.dtype.is_complex:  # y: a tensor, or a store kept on the host (HostRows)
+        for rows in batches:
+            yield x[rows], y[rows]
+        return
+    group: list[Tensor] = []
+    size = 0
+    for rows in batches:
+        group.append(rows)
+        size += len(rows)
+        if size >= LABEL_ROWS:
+            yield from _with_labels(x, y, group)
+            group, size = [], 0
+    yield from _with_labels(x, y, group)
+
+
+def _with_labels(x: Tensor, y: Tensor, steps: list[Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
+    """The steps' ``(x[rows], y[rows])``, the labels from one gather."""
+    labels = y[torch.cat(steps)].split([len(rows) for rows in steps]) if len(steps) > 1 else [y[r] for r in steps]
+    for rows, labels_of_step in zip(steps, labels):
+        yield x[rows], labels_of_step

@@ -95,6 +95,10 @@ class FederatedFitLoop(_FitLoop):
         if self._take_signal():
             signals.stopping(signals.Stop(self.signal, rounds=self.trainer.current_epoch + 1))
         super().on_advance_end()
+        # the round's row (FederatedModule.log_round, joined by what Lightning logged at the round's end) is written
+        # now, whether or not Lightning had a row of its own to write
+        for logger in self.trainer.loggers:
+            logger.save()
 
     def _take_signal(self) -> int:
         """Rank 0's pending signal on every rank (a collective: all ranks must stop at the same round), once; with it

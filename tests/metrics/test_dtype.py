@@ -1,9 +1,10 @@
 """Float64 runs log float64 values: a ratio such as 4/10 reaches ``metrics.csv`` as ``0.4``, never as the float32
 ``0.4000000059604645``; float32 runs log what Lightning logs (float32).
 
-The paths a value takes: a Python number through ``self.log`` (the parts' values, ``train/loss``), torchmetrics'
-states (``loss``, ``acc``, ``mse``), flx's per-client metrics and the AUROC's ROC curve, and on N processes the one
-all-reduce of the metrics' sums (:func:`flx.metrics.sync.reduce_sums`), simulated here with two ranks in process.
+The paths a value takes: a Python number through ``self.log`` (the parts' values) or ``FederatedModule.publish``
+(``train/loss``), torchmetrics' states (``loss``, ``acc``, ``mse``), flx's per-client metrics and the AUROC's ROC
+curve, and on N processes the one all-reduce of the metrics' sums (:func:`flx.metrics.sync.reduce_sums`), simulated
+here with two ranks in process.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def test_a_float64_lasso_run_logs_its_support_ratios_exactly(tmp_path: Path) -> 
     """FedAvg on a 10-dimensional Lasso (truth: 4 ones, 6 zeros), 2 rounds: every weight of the final model is above
     the threshold, so the support precision (at each validation: ``val/``) is 4/10 and the recall 4/4, written
     ``0.4`` and ``1.0``; F1 2*4/(10+4); the test MSE and the loss (half the MSE) equal the hand computation on the
-    test rows in float64; ``train/loss`` (a Python float through ``self.log``) is the federation's own value, digit
+    test rows in float64; ``train/loss`` (a Python float, published) is the federation's own value, digit
     for digit."""
     lasso = ["algo=fedavg", "data=lasso_synthetic", "data.loader.num_clients=5", "data.loader.dim=10"]
     lasso += ["data.loader.ones=4", "data.loader.samples=20", "data.loader.test_samples=10", "algo.rounds=2"]

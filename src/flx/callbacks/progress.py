@@ -14,7 +14,7 @@ evaluation round.
 
 It subclasses Lightning's ``ProgressBar`` base, so Lightning adds no bar of its own, and draws nothing for
 validation, test or the sanity check. Only global rank zero draws. A round is reported once its values are logged:
-``train/loss`` comes from the module's ``on_train_epoch_end``, after this callback's, so the report of round ``r``
+``train/loss`` is published by the module's ``on_train_epoch_end``, after this callback's, so the report of round ``r``
 is made when round ``r + 1`` starts or training ends.
 """
 

@@ -261,8 +261,11 @@ class FederatedDataModule(pl.LightningDataModule):
         return RoundLoader()
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """A training "batch" is a client id: nothing to move (saves Lightning's generic collection walk)."""
-        return batch if isinstance(batch, int) else super().transfer_batch_to_device(batch, device, dataloader_idx)
+        """A training "batch" is the round's tuple of client ids (:class:`flx.loop.RoundLoader`): nothing to move (saves
+        Lightning's generic collection walk); evaluation batches (tensors) move as Lightning moves them."""
+        if isinstance(batch, tuple) and all(isinstance(c, int) for c in batch):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _rank_rows(self, n: int) -> Tensor:
         trainer = self.trainer

@@ -176,17 +176,17 @@ class FederatedModule(pl.LightningModule):
         self.federation.train_clients(shard, after)
 
     def on_train_epoch_end(self) -> None:
-        # the mean local loss of the round's aggregated clients, summed over ranks in the round's one all-reduce
-        # (Federation.train_loss), so it is the same on every rank and costs no collective of its own. Through
-        # self.log (the bar, the curves and monitors read trainer.callback_metrics), which costs ~0.2 ms a key, so
-        # the round's counters go to the loggers directly (log_round)
+        # the round's scalars: the mean local loss of the round's aggregated clients, summed over ranks in the round's
+        # one all-reduce (Federation.train_loss), so it is the same on every rank and costs no collective of its own,
+        # and the simulated seconds (docs/systems.md; published even without a logger, for the curves)
+        values = {}
         loss = self.federation.train_loss
         if loss is not None:
-            self.log("train/loss", loss, on_epoch=True, batch_size=1)
-        # simulated seconds (docs/systems.md); logged even without a logger, for the curves
+            values["train/loss"] = loss
         clock = self.federation.clock
         if clock is not None:
-            self.log_dict({"sim/round_time": clock.round_time, "sim/clock": clock.elapsed})
+            values |= {"sim/round_time": clock.round_time, "sim/clock": clock.elapsed}
+        published = self.publish(values)
         if not self.loggers:
             return
         rnd = self.federation.rnd
@@ -196,20 +196,29 @@ class FederatedModule(pl.LightningModule):
         counts |= {"fl/dropped_clients": float(len(faults.dropped)), "fl/skipped_clients": float(len(faults.skipped))}
         if self.federation.cfg.local_epochs is None:  # local iterations so far, per client (AFL: one per round)
             counts["fl/local_steps"] = float((rnd.round + 1) * self.federation.cfg.local_steps)
-        # with nothing else logged (no loss: every client left out), Lightning writes no row for the round: flush it
-        self.log_round(counts, flush=loss is None and clock is None)
+        self.log_round({**{k: float(v) for k, v in published.items()}, **counts})
 
-    def log_round(self, values: dict[str, float], flush: bool = False) -> None:
-        """Sends round-level scalars that only loggers read (not ``trainer.callback_metrics``) to every logger, in
-        the row of the round's other training metrics: at the step of the round's last batch,
+    def publish(self, values: Mapping[str, float]) -> dict[str, Tensor]:
+        """Puts round-level scalars into ``trainer.callback_metrics`` (what the bar, the curves, ``checkpoint.monitor``
+        and Lightning's monitoring callbacks read) as ``self.log(name, value, on_epoch=True)`` would at the round's
+        end: scalars of :attr:`logged_dtype` (float32; float64 in a float64 run), after the plain callbacks' and
+        before the monitoring callbacks' ``on_train_epoch_end``. Not through ``self.log``: Lightning's result
+        collection costs ~0.7 ms a key and round (it moves the whole metric object to the value's device at every
+        call), a tenth of the overhead of a small model's round; the loggers get the values from :meth:`log_round`.
+        Returns the published tensors."""
+        out = {k: torch.tensor(v, dtype=self.logged_dtype, device=self.device) for k, v in values.items()}
+        self.trainer.callback_metrics.update(out)
+        return out
+
+    def log_round(self, values: dict[str, float]) -> None:
+        """Sends round-level scalars to every logger, in one row per round: at the step of the round's last batch,
         ``trainer.global_step - 1`` (the 0-based round: a round is one step), plus ``epoch``, as Lightning logs
         epoch-end metrics. Identical on every rank (rank zero writes). One logger call, not a ``self.log`` per key.
-        ``flush``: write the row now (Lightning writes it after its own epoch-end row otherwise).
+        Values the parts log with ``self.log`` at the round's end join the row (``flx.loggers.CSVLogger`` merges a
+        step's calls until it writes); :meth:`flx.loop.FederatedFitLoop.on_advance_end` writes the row.
         """
         for logger in self.loggers:
             logger.log_metrics({**values, "epoch": self.current_epoch}, step=self.trainer.global_step - 1)
-            if flush:
-                logger.save()
 
     # ------------------------------------------------------------------ evaluation of the global model
     def _eval_step(self, stage: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
