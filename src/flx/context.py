@@ -128,3 +128,13 @@ class ClientData:
     client_indices: Sequence[Tensor]
     num_train_clients: int
     client_support: Sequence[Tensor] | None
+
+    def support_rows(self, cid: int) -> Tensor:
+        """Client ``cid``'s support rows (few-shot tasks, ``partition=few_shot``), else all its rows."""
+        support = self.client_support
+        return self.client_indices[cid] if support is None else support[cid]
+
+    def query_rows(self, cid: int) -> Tensor:
+        """Client ``cid``'s query rows: its rows outside the support set (empty without a support/query split)."""
+        rows = self.client_indices[cid]
+        return rows[~torch.isin(rows, self.support_rows(cid))]

@@ -222,16 +222,6 @@ class Federation:
         """The clients that train (client ids ``0..num_clients-1``); held-out evaluation clients follow them."""
         return self.data.num_train_clients
 
-    def support_rows(self, cid: int) -> Tensor:
-        """Client ``cid``'s support rows (few-shot tasks, ``partition=few_shot``), else all its rows."""
-        support = self.data.client_support
-        return self.data.client_indices[cid] if support is None else support[cid]
-
-    def query_rows(self, cid: int) -> Tensor:
-        """Client ``cid``'s query rows: its rows outside the support set (empty without a support/query split)."""
-        rows = self.data.client_indices[cid]
-        return rows[~torch.isin(rows, self.support_rows(cid))]
-
     def num_samples(self, cid: int) -> int:
         return self._rows_of(cid)
 

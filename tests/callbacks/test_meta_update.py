@@ -186,7 +186,7 @@ def test_adapt_is_one_gradient_step_on_the_support_set() -> None:
     fed = _fed(data, [Adapt(steps=2, lr=0.1)], clients_per_round=2, aggregator="mean", local_steps=1)
     theta = flat(fed.params)
     rows = data.client_support[2]
-    assert fed.num_clients == 2 and torch.equal(fed.support_rows(2), rows)
+    assert fed.num_clients == 2 and torch.equal(fed.data.support_rows(2), rows)
     phi = theta
     for _ in range(2):
         phi = phi - 0.1 * grad(data.x[rows], data.y[rows], phi)

@@ -100,7 +100,7 @@ def test_the_federation_trains_only_the_training_clients_and_splits_support_and_
         fed.end_round()
     assert sorted(set(seen)) == list(range(7))
     for cid in range(10):
-        rows, s, q = store.client_indices[cid], fed.support_rows(cid), fed.query_rows(cid)
+        rows, s, q = store.client_indices[cid], fed.data.support_rows(cid), fed.data.query_rows(cid)
         if cid < 7:  # a training client: support and query split its rows
             assert sorted(torch.cat([s, q]).tolist()) == sorted(rows.tolist()) and len(s) and len(q)
         else:  # held out: its rows are its support set; the query set is its per-client test split
@@ -116,3 +116,15 @@ def test_clients_per_round_all_is_every_training_client(tmp_path) -> None:
         ConfigError, match=r"algo.clients_per_round=17: must be <= the number of training clients \(16\)"
     ):
         precheck([*base, "algo.clients_per_round=17"])
+
+
+def test_a_store_without_a_support_split_supports_on_all_rows() -> None:
+    """Without ``client_support`` a client's support rows are all its rows and its query rows none; with one, the
+    support rows are the given subset and the query rows the rest, in the client's order."""
+    rows = [torch.tensor([4, 0, 2]), torch.tensor([1, 3])]
+    x, y = torch.zeros(5, 2), torch.zeros(5, dtype=torch.long)
+    plain = ClientStore(x, y, rows)
+    assert torch.equal(plain.support_rows(0), rows[0]) and len(plain.query_rows(0)) == 0
+    split = ClientStore(x, y, rows, client_support=[torch.tensor([2]), torch.tensor([3])])
+    assert split.support_rows(0).tolist() == [2] and split.query_rows(0).tolist() == [4, 0]
+    assert split.query_rows(1).tolist() == [1]

@@ -9,9 +9,9 @@ baseline: from the global (meta-)model :math:`\theta`, client :math:`i`'s model 
     \phi_i^{(0)} = \theta, \qquad \phi_i^{(k+1)} = \phi_i^{(k)} - \alpha \nabla L_i(\phi_i^{(k)}; S_i),
     \quad k < K,
 
-full batch on its support set :math:`S_i` (``fed.support_rows``: a few-shot client's support set, a held-out client's
-rows; every row of a client without a support/query split), and it is measured on the client's evaluation rows (the
-held-out clients' query sets with ``partition=few_shot``). ``steps`` is :math:`K` (1 in the paper), ``lr`` is
+full batch on its support set :math:`S_i` (``fed.data.support_rows``: a few-shot client's support set, a held-out
+client's rows; every row of a client without a support/query split), and it is measured on the client's evaluation
+rows (the held-out clients' query sets with ``partition=few_shot``). ``steps`` is :math:`K` (1 in the paper), ``lr`` is
 :math:`\alpha` (AugFL: its inner step). Gradients are taken in the net's train mode (``fed.grad_at``: BatchNorm with the
 batch statistics, its running statistics untouched); the evaluation then runs in eval mode.
 """
@@ -83,7 +83,7 @@ class Adapt(FederatedCallback):
 
     @override
     def personalize(self, fed: Federation, cid: int) -> Any:
-        rows = fed.support_rows(cid)
+        rows = fed.data.support_rows(cid)
         return self._adapted(fed, rows) if len(rows) and self._steps else None
 
     @contextmanager

@@ -2,8 +2,8 @@ r"""AugFL's client step: a linearised, closed-form inexact-ADMM update of a MAML
 
 S. Yue, Z. Qin, Y. Deng, J. Ren, Y. Zhang, J. Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models"
 (journal extension of MobiHoc 2021), Algorithm 1 step 3.1, Eqs. 7, 10-12. Client :math:`i` at round :math:`t`, from
-the global meta-model :math:`\theta^t`, on its support set
-:math:`S` and query set :math:`Q` (``partition=few_shot``: ``fed.support_rows`` / ``fed.query_rows``), full batch:
+the global meta-model :math:`\theta^t`, on its support set :math:`S` and query set :math:`Q` (``partition=few_shot``:
+``fed.data.support_rows`` / ``fed.data.query_rows``), full batch:
 
 .. math::
     \phi_i = \theta^t - \alpha \nabla L_i(\theta^t; S), \qquad r_i = \nabla L_i(\phi_i; Q), \qquad
@@ -132,7 +132,7 @@ class MetaUpdate(FederatedCallback):
 
     def meta_gradient(self, fed: Federation, client: ClientContext, t_client: int) -> tuple[Tensor, list[Tensor]]:
         """:math:`L_i(\\phi_i; Q)` and :math:`\\hat g_i` at the net's :math:`\\theta^t` (Alg. 1 steps 3.1.1-3.1.4)."""
-        support, query = fed.support_rows(client.cid), fed.query_rows(client.cid)
+        support, query = fed.data.support_rows(client.cid), fed.data.query_rows(client.cid)
         delta = self.delta(client, t_client)
         return maml_gradient(
             fed, [q.detach() for q in fed.params], support, query, self.params.alpha, self.params.hessian, delta

@@ -68,7 +68,7 @@ class PerFedAvg(FederatedCallback):
     @override
     def local_update(self, fed: Federation, client: ClientContext) -> Tensor:
         p, beta = self.params, fed.cfg.lr
-        support, query = fed.support_rows(client.cid), fed.query_rows(client.cid)
+        support, query = fed.data.support_rows(client.cid), fed.data.query_rows(client.cid)
         total = torch.zeros((), dtype=torch.float64, device=fed.params[0].device)
         for _ in range(client.num_steps):
             w = [q.detach() for q in fed.params]

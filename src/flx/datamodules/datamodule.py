@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from flx.config import CLIENT_EVAL
+from flx.context import ClientData
 from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, held_cells, holdout
 from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
@@ -66,7 +67,7 @@ class TensorBatches:
             yield tuple(t[b] for t in self.tensors)
 
 
-class ClientStore:
+class ClientStore(ClientData):
     """The federation's view of the training data: the store tensors and each client's row indices.
 
     ``num_train_clients``: the clients that train, the first ones (default: all); the others are evaluation-only
