@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from flx.federation import FederationConfig
+    from flx.context import FederationConfig
 
 
 class RunFailure(RuntimeError):

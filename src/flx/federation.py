@@ -29,17 +29,18 @@ from torch import Tensor, nn
 
 from flx import autodiff, evaluation, vectorized
 from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
-from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
+from flx.clients import Sequential
+from flx.context import ClientContext, ClientData, FederationConfig, Round
 from flx.datamodules.ragged import Ragged
 from flx.faults import DivergenceWatch, RoundFaults, all_finite, check_global_model, judge, knob
 from flx.hooks import HOOKS, FederatedCallback, overrides
-from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 from flx.sampling import (
     MINIBATCH_STREAMS,
     SAMPLE_TAG,
     derive_seed,
     derive_seeds,
     local_batches,
+    number_copies,
     shard_greedy,
     uniform_cohort,
 )
@@ -53,7 +54,7 @@ __all__ = [
     "ClientData",
     "Federation",
     "FederationConfig",
-    "RoundContext",
+    "Round",
     "derive_seed",
     "local_batches",
     "shard_greedy",
@@ -64,9 +65,6 @@ __all__ = [
 # and "loss_count" are adjacent, so an aggregated client adds 1 to both in one op; "initial_*": the divergence rule's
 # initial loss, each rank's share of the rows (Federation._measure_reference), summed in the first round's reduce
 COUNTERS = ("dropped", "skipped", "aggregated", "loss_count", "loss_sum", "stored", "initial_loss_sum", "initial_rows")
-
-# the hooks that run inside each local step (the sequential path skips their bookkeeping when no part has any)
-_STEP_HOOKS = ("sample_batch", "local_loss", "on_local_grad", "on_local_step_end")
 
 
 REFERENCE_ROWS = 512
@@ -99,11 +97,9 @@ class Federation:
         self.server = ServerState()
         self.system = system
         self.clock = SimClock(system) if system is not None else None
-        self._widths: dict[int, float] = {}
-        self._widths_open = False
         self.parts: list[FederatedCallback] = []
         self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}
-        self.rnd: RoundContext | None = None
+        self.rnd: Round | None = None  # the current round, or the last one trained; None before the first
         self.divergence = DivergenceWatch(cfg.diverge_factor, cfg.diverge_rounds)
 
     # ------------------------------------------------------------------ setup
@@ -161,7 +157,7 @@ class Federation:
         self.local_opt = torch.optim.SGD(
             self.params, lr=self.cfg.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay
         )
-        self._gen = torch.Generator()
+        self.runner = (vectorized.Stacked if self.cfg.vectorize else Sequential)(self)
         self._global_floats = [b.detach().clone() for b in self.float_buffers]
 
     def set_parts(self, parts: Sequence[FederatedCallback]) -> None:
@@ -241,36 +237,37 @@ class Federation:
                 return [int(c) for c in cohort]
         return uniform_cohort(self.num_clients, self.cfg.clients_per_round, rng)
 
-    def begin_round(self, round_idx: int) -> RoundContext:
-        """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
-        self._widths, self._widths_open = {}, True
-        draws = Counter(self.sample(round_idx))  # the distinct clients, sorted, and how often each was drawn
-        cohort = tuple(sorted(draws))
-        mult = tuple(draws[c] for c in cohort)
-        self._multiplicity = dict(zip(cohort, mult))
+    def begin_round(self, round_idx: int) -> Round:
+        """Plans the round (:class:`~flx.context.Round`): samples and shards the cohort, snapshots the global model,
+        runs ``on_round_start``, then freezes the plan."""
+        check = self.system.check_width if self.system is not None else None
+        rnd = self.rnd = Round(round_idx, self.rank, self.world_size, check_width=check)
+        rnd.draws = Counter(self.sample(round_idx))  # the distinct clients and how often each was drawn
+        rnd.cohort = tuple(sorted(rnd.draws))
+        rnd.multiplicity = tuple(rnd.draws[c] for c in rnd.cohort)
+        rnd.weights = {c: self.base_weight(c, 1) for c in rnd.cohort}
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
         # an empty batch and add nothing to the aggregate
-        runs = [c for c, k in zip(cohort, mult) for _ in range(k if self.cfg.duplicates == "repeat" else 1)]
+        repeat = self.cfg.duplicates == "repeat"
+        runs = [c for c, k in zip(rnd.cohort, rnd.multiplicity) for _ in range(k if repeat else 1)]
         shards = shard_greedy(runs, [self.expected_cost(c) for c in runs], self.world_size)
-        self._assign_copies(shards)
-        slots = max(len(s) for s in shards)
-        self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
-        mine = sorted(set(self.rnd.shard))  # copy 0's seeds, for all of them at once
-        self._seeds = dict(zip(mine, derive_seeds(self.cfg.seed, round_idx, np.array(mine, dtype=np.int64)).tolist()))
+        rnd.shard, rnd.slots = tuple(shards[self.rank]), max(len(s) for s in shards)
+        rnd.copies, repeated = number_copies(shards, self.rank)
+        rnd.start_states = {c: self.store.get(c, self.params[0].device) for c in repeated}
+        mine = sorted(set(rnd.shard))  # copy 0's seeds, for all of them at once
+        rnd.seeds = dict(zip(mine, derive_seeds(self.cfg.seed, round_idx, np.array(mine, dtype=np.int64)).tolist()))
         with torch.no_grad():
             _copy(self.global_params, [p.detach() for p in self.params])
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
         # the weighted mean adds weights pre-divided by the round's expected total: one client's mean is its model
-        self.aggregator.reset(sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity)))
+        self.aggregator.reset(sum(rnd.weights[c] * k for c, k in zip(rnd.cohort, rnd.multiplicity)))
         if self.divergence.needs_reference():  # the global model is the initial one: nothing has trained yet
-            self._measure_reference(cohort)
-        self._state_updates: dict[int, dict[str, Tensor]] = {}
-        self._left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
+            self._measure_reference(rnd.cohort)
         for part in self._hooked["on_round_start"]:
-            part.on_round_start(self, self.rnd)
-        self._widths_open = False
-        return self.rnd
+            part.on_round_start(self, rnd)
+        rnd.freeze()
+        return rnd
 
     def _measure_reference(self, cohort: Sequence[int], limit: int = REFERENCE_ROWS) -> None:
         """This rank's share of the divergence rule's ``L_0`` (:class:`flx.faults.DivergenceWatch`): the task loss of
@@ -304,36 +301,6 @@ class Federation:
         when the last server step moved the global model farther than the clients' mean update, else ``algo.lr``."""
         return knob(self.cfg, self.server_opt.amplification)
 
-    def set_width(self, cid: int, ratio: float) -> None:
-        """Records that client ``cid`` trains at width ratio ``ratio`` this round (default 1.0, the full model).
-
-        Only from ``sample_clients`` or ``on_round_start``, which run alike on every rank, so every rank prices the
-        round (``fed.clock``) the same; with a simulator, ``ratio`` must be one of ``fed.system.widths``.
-        """
-        if not self._widths_open:
-            raise RuntimeError("fed.set_width is for sample_clients / on_round_start (the same on every rank)")
-        if not 0 < ratio <= 1:
-            raise ValueError(f"width ratio {ratio!r}: must be in (0, 1]")
-        if self.system is not None:
-            self.system.check_width(ratio)
-        self._widths[int(cid)] = float(ratio)
-
-    def width(self, cid: int) -> float:
-        """The width ratio client ``cid`` trains at this round (:meth:`set_width`; 1.0 when none was set)."""
-        return self._widths.get(int(cid), 1.0)
-
-    def _assign_copies(self, shards: list[list[int]]) -> None:
-        """Numbers the copies of each client over the ranks in rank order (the same on every rank) and keeps this
-        rank's, in order, for :meth:`make_client`; copies start from the client's state at the round start."""
-        seen: dict[int, int] = {}
-        self._copies: dict[int, list[int]] = {}
-        for rank, shard in enumerate(shards):
-            for cid in shard:
-                j = seen[cid] = seen.get(cid, -1) + 1
-                if rank == self.rank:
-                    self._copies.setdefault(cid, []).append(j)
-        self._start_states = {cid: self.store.get(cid, self.params[0].device) for cid, k in seen.items() if k > 0}
-
     def end_round(self) -> None:
         """One collective reduce, the parts' server hooks, the server optimizer step.
 
@@ -362,7 +329,7 @@ class Federation:
         """Prices the round on the simulator: the clients that trained (skipped ones had no rows), at their widths
         and local iterations (docs/systems.md)."""
         trained = [c for c in self.rnd.cohort if c not in self.faults.skipped]
-        widths = {c: self.width(c) for c in trained}
+        widths = {c: self.rnd.width(c) for c in trained}
         self.clock.advance(self.rnd.round, widths, {c: self.client_steps(c) for c in trained})
 
     def _server_step(self) -> None:
@@ -381,7 +348,7 @@ class Federation:
         """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
         by the fault policy (:func:`flx.faults.judge`)."""
         dropped, skipped, aggregated = (int(self.counted[k]) for k in COUNTERS[:3])
-        mine = self._left_out
+        mine = self.rnd.left_out
         if (dropped or skipped) and self.world_size > 1 and self.gather is not None:
             everyone = self.gather(mine)
             mine = {k: [c for part in everyone for c in part[k]] for k in mine}
@@ -399,14 +366,15 @@ class Federation:
         if self.world_size == 1 or self.gather is None or self.counted["stored"] == 0:
             return
         # the store's host copies (the state it was just given): no device read per tensor
-        cpu = {cid: self.store.get(cid) for cid in self._state_updates}
+        updates = self.rnd.state_updates
+        cpu = {cid: self.store.get(cid) for cid in updates}
         for rank, updates in enumerate(self.gather(cpu)):
             if rank == self.rank:
                 continue
             for cid, state in updates.items():
                 # a client drawn more than once keeps its last copy's state, as on one process: copies are numbered
                 # in rank order, so a later rank's copy wins and an earlier rank's does not replace this rank's own
-                if rank > self.rank or cid not in self._state_updates:
+                if rank > self.rank or cid not in updates:
                     self.store.put(cid, state)
 
     # ------------------------------------------------------------------ client
@@ -425,31 +393,6 @@ class Federation:
         """Aggregation weight before parts adjust it: ``n_i`` (or 1) times the times ``i`` was drawn."""
         return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * multiplicity)
 
-    def make_client(self, cid: int) -> ClientContext:
-        """The next local run of ``cid`` on this rank: its weight, seeded streams and stored state."""
-        n = self.num_samples(cid)
-        repeat = self.cfg.duplicates == "repeat"
-        copy = self._copies[cid].pop(0) if repeat and self._copies.get(cid) else 0
-        draws = 1 if repeat else self._multiplicity[cid]
-        weight = self.base_weight(cid, draws)
-        # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
-        if copy or cid not in self._seeds:  # copy 0 of the shard's clients: drawn at once in begin_round
-            seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ()))
-        else:
-            seed = self._seeds[cid]
-        # dropout & co. depend only on (seed, round, client). Not torch.manual_seed: on CUDA builds it records a
-        # stack trace per call for lazy CUDA seeding (~0.5 ms under Lightning's call stack)
-        torch.default_generator.manual_seed(seed)
-        if self.params[0].is_cuda:
-            torch.cuda.manual_seed(seed)
-        self._gen.manual_seed(seed)
-        if cid in self._start_states:  # a repeated client: every copy starts from the round-start state
-            state = {k: v.clone() for k, v in self._start_states[cid].items()}
-        else:
-            state = self.store.get(cid, self.params[0].device) if cid in self.store else {}
-        steps = self.client_steps(cid)
-        return ClientContext(cid, self.rnd, n, steps, float(weight), self._gen, state, draws=draws, copy=copy)
-
     @torch.no_grad()
     def load_global(self) -> None:
         """Copies the round's global model into the net (in place, no allocation)."""
@@ -458,38 +401,20 @@ class Federation:
         _copy(self.other_buffers, self.global_other)
 
     def train_clients(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
-        """Trains ``cids`` (this rank's shard of the round): one after the other (:meth:`train_client`), or stacked
-        (``algo.vectorize``, :mod:`flx.vectorized`); ``after(cid)`` runs after each client (the progress bar's tick)."""
-        if self.cfg.vectorize:
-            vectorized.train(self, cids, self._finish, after)
-            return
-        for cid in cids:
-            self.train_client(cid)
-            if after is not None:
-                after(cid)
+        """Trains ``cids`` (this rank's shard of the round) with the run's client runner (:mod:`flx.clients`: one
+        after the other, or stacked with ``algo.vectorize``); ``after(cid)`` runs after each client (the progress
+        bar's tick)."""
+        self.runner.train(cids, after)
 
     def train_client(self, cid: int) -> Tensor | None:
-        """Local training of one client; adds its weighted model to the round's aggregate.
+        """Local training of one client alone (:meth:`flx.clients.ClientRunner.train_client`); returns its mean loss,
+        or None for a client left out."""
+        return self.runner.train_client(cid)
 
-        A client without enough rows (none, or one with BatchNorm) is skipped; one whose loss or update is not finite
-        is dropped (``fault_policy``); both are left out of the aggregate and counted in :attr:`faults`.
-
-        Returns:
-            The mean local training loss (detached scalar), or None for a client left out.
-        """
-        if self.num_samples(cid) < self.min_rows:  # empty, or one row with BatchNorm: nothing to train on
-            return self._finish(cid, None, None)
-        client = self.make_client(cid)
-        self.load_global()
-        if not self.net.training:  # evaluation and parts switch the whole net (its root) to eval and back
-            self.net.train()
-        for part in self._hooked["on_client_start"]:
-            part.on_client_start(self, client)
-        return self._finish(cid, client, self._local_update(client))
-
-    def _finish(self, cid: int, client: ClientContext | None, loss: Tensor | None) -> Tensor | None:
-        """A client's end, with its local model in the net: ``on_client_end``, the fault checks, the aggregate, the
-        stored state; ``client`` None: skipped for too few rows. Returns ``loss``, or None for a client left out."""
+    def collect(self, cid: int, client: ClientContext | None, loss: Tensor | None) -> Tensor | None:
+        """A client's end, with its local model in the net (both client runners end a client here): ``on_client_end``,
+        the fault checks, the aggregate, the stored state; ``client`` None: skipped for too few rows. Returns
+        ``loss``, or None for a client left out."""
         if client is None:
             self._leave_out(cid, "skipped")
             return None
@@ -509,24 +434,14 @@ class Federation:
         if client.state:
             self.store.put(cid, client.state)
             if self.world_size > 1:  # for the all-gather at the round end (one process holds no second copy)
-                self._state_updates[cid] = client.state
+                self.rnd.state_updates[cid] = client.state
             self.counters[COUNTERS.index("stored")] += 1
         return loss
 
     def _leave_out(self, cid: int, why: str) -> None:
         """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
-        self._left_out[why].append(cid)
+        self.rnd.left_out[why].append(cid)
         self.counters[COUNTERS.index(why)] += 1
-
-    def _local_update(self, client: ClientContext) -> Tensor:
-        """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""
-        for part in self._hooked["local_update"]:
-            loss = part.local_update(self, client)
-            if loss is not None:  # on the net's device, as the default steps' loss is
-                if isinstance(loss, Tensor):
-                    return loss.detach().to(torch.float64).reshape(())
-                return torch.full((), float(loss), dtype=torch.float64, device=self.params[0].device)
-        return self._local_steps(client) / max(client.num_steps, 1)
 
     def client_batches(self, client: ClientContext) -> Iterator[Tensor]:
         """The default minibatch stream of ``client``: its ``num_steps`` minibatches (row indices into the store),
@@ -566,60 +481,6 @@ class Federation:
         with self.step_context():
             return autodiff.hvp(self.net, at, list(v), self.batch(rows), self.loss_fn, mode=mode, **kw)
 
-    def _local_steps(self, client: ClientContext) -> Tensor:
-        x, y, opt = self.data.x, self.data.y, self.local_opt
-        opt.state.clear()  # a fresh local optimizer per client
-        # plain SGD (FedAvg's default) steps without torch.optim's per-call bookkeeping (~50 us a step, flx.local_sgd)
-        plain = is_plain_sgd(opt)
-        zero_grad = (lambda: clear_grads(opt)) if plain else (lambda: opt.zero_grad(set_to_none=True))
-        step = (lambda: sgd_step(opt)) if plain else opt.step
-        losses: list[Tensor] = []  # summed once after the steps: one op per client, not one per step
-        default = self.client_batches(client)
-        if not any(self._hooked[h] for h in _STEP_HOOKS):
-            # no part looks inside the steps: the same steps without the per-step context (client.step, .rows,
-            # .batch, .outputs) that only step hooks read
-            net, loss_fn = self.net, self.loss_fn
-            with self.step_context():
-                for xb, yb in minibatches(x, y, default):  # exactly client.num_steps minibatches
-                    zero_grad()
-                    loss = loss_fn(net(xb), yb)
-                    loss.backward()
-                    step()
-                    losses.append(loss.detach())
-        else:
-            self._hooked_steps(client, default, zero_grad, step, losses)
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
-
-    def _hooked_steps(
-        self,
-        client: ClientContext,
-        default: Iterator[Tensor],
-        zero_grad: Callable[[], None],
-        step: Callable[[], Any],
-        losses: list[Tensor],
-    ) -> None:
-        """The local steps with the parts' step hooks and the per-step client context; appends each step's loss."""
-        x, y = self.data.x, self.data.y
-        with self.step_context():
-            for k in range(client.num_steps):
-                client.step = k
-                rows = self._part_batch(client)
-                rows = next(default) if rows is None else rows  # the default stream advances only when used
-                client.rows, client.batch = rows, (x[rows], y[rows])
-                zero_grad()
-                client.outputs = self.net(client.batch[0])
-                loss = self.loss_fn(client.outputs, client.batch[1])
-                for part in self._hooked["local_loss"]:
-                    loss = part.local_loss(self, client, loss)
-                loss.backward()
-                for part in self._hooked["on_local_grad"]:
-                    part.on_local_grad(self, client)
-                step()
-                for part in self._hooked["on_local_step_end"]:
-                    part.on_local_step_end(self, client)
-                losses.append(loss.detach())
-        client.rows = client.batch = client.outputs = None
-
     # ------------------------------------------------------------------ personalised evaluation
     def parts_with(self, hook: str) -> list[FederatedCallback]:
         """The parts that override ``hook``, in part order."""
@@ -655,13 +516,6 @@ class Federation:
         finally:
             self.net.train(was_training)
         return total / len(rows)
-
-    def _part_batch(self, client: ClientContext) -> Tensor | None:
-        for part in self._hooked["sample_batch"]:
-            rows = part.sample_batch(self, client)
-            if rows is not None:
-                return rows
-        return None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -114,6 +114,20 @@ def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> 
     return [sorted(s) for s in shards]
 
 
+def number_copies(shards: Sequence[Sequence[int]], rank: int) -> tuple[dict[int, list[int]], set[int]]:
+    """The copies of each client (an id placed more than once: ``duplicates=repeat``) numbered over the ranks in rank
+    order, the same on every rank. Returns ``rank``'s copy numbers per client, in its shard's order, and the ids with
+    more than one copy (which all start from the client's round-start state)."""
+    seen: dict[int, int] = {}
+    mine: dict[int, list[int]] = {}
+    for r, shard in enumerate(shards):
+        for cid in shard:
+            j = seen[cid] = seen.get(cid, -1) + 1
+            if r == rank:
+                mine.setdefault(cid, []).append(j)
+    return mine, {cid for cid, last in seen.items() if last > 0}
+
+
 LAZY_MIN_ROWS = 8192
 """Clients with fewer rows always draw each pass as one ``torch.randperm`` (today's exact draw, bitwise)."""
 LAZY_MAX_FRACTION = 1 / 16

@@ -63,7 +63,7 @@ def test_fixed_levels_are_the_device_caps() -> None:
     fed = fed_with([part], store([6] * 5))
     run_rounds(fed, 1)
     assert part.levels == {i: i + 1 for i in range(5)}
-    assert [fed.width(i) for i in range(5)] == [1.0, 0.5, 0.25, 0.125, 0.0625]
+    assert [fed.rnd.width(i) for i in range(5)] == [1.0, 0.5, 0.25, 0.125, 0.0625]
 
 
 def test_whale_levels_cold_start_then_the_utility() -> None:
@@ -296,7 +296,7 @@ def test_a_client_of_the_masked_lm_trains_the_extracted_small_lm(extractor: str)
     small.set_width(0.5)
     loss(small(data.x), data.y).backward()
     run_rounds(fed, 1)
-    assert fed.width(0) == 0.5
+    assert fed.rnd.width(0) == 0.5
     got = extract_state(net, indices)
     for name, p in small.named_parameters():
         torch.testing.assert_close(got[name], (p - 0.1 * p.grad).detach(), rtol=1e-12, atol=1e-12)

@@ -31,7 +31,7 @@ from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from flx.federation import Federation
+    from flx.context import FederationView
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,12 @@ class Adapt(FederatedCallback):
                 self._steps = self.params.steps
 
     @override
-    def personalize(self, fed: Federation, cid: int) -> Any:
+    def personalize(self, fed: FederationView, cid: int) -> Any:
         rows = fed.data.support_rows(cid)
         return self._adapted(fed, rows) if len(rows) and self._steps else None
 
     @contextmanager
-    def _adapted(self, fed: Federation, rows: torch.Tensor) -> Iterator[None]:
+    def _adapted(self, fed: FederationView, rows: torch.Tensor) -> Iterator[None]:
         """The net as :math:`\\phi_i^{(K)}`; the federation restores :math:`\\theta` on exit."""
         was_training = fed.net.training
         fed.net.train()

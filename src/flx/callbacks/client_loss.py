@@ -32,7 +32,7 @@ from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.federation import Federation
+    from flx.context import FederationView
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ClientLossParams:
 
 
 @torch.no_grad()
-def client_train_losses(fed: Federation) -> Tensor:
+def client_train_losses(fed: FederationView) -> Tensor:
     """``f_i`` of the net's current model on each client's full training rows: a ``(N,)`` float64 tensor on CPU.
 
     Every rank computes its share of the clients, batched across them (:func:`flx.evaluation.client_losses`: a

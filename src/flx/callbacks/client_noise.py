@@ -25,8 +25,7 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView
 
 
 class ClientNoise(FederatedCallback):
@@ -60,10 +59,10 @@ class ClientNoise(FederatedCallback):
         return net.register_forward_pre_hook(add_noise)
 
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         self._handle = self.register_input_hook(fed.net, client.cid, client.generator)
 
     @override
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         self._handle.remove()
         self._handle = None

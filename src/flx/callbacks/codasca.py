@@ -51,8 +51,7 @@ from flx.losses import aucm, xrisk
 from flx.models import heads
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, RoundContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView, Round
 
 A, B, ALPHA = 0, 1, 2  # offsets of a, b, alpha after the flattened w in the (n + 3) vectors
 _SUMS = "codasca/sums"  # the registered statistic: (a, b, alpha) weighted sums, weight sum, sum of c_i^new - c_i
@@ -102,14 +101,14 @@ class Codasca(FederatedCallback):
             raise bad_value("algo.local_epochs", cfg.local_epochs, "CODASCA counts stages in steps: use null")
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         # (a, b, alpha) weighted sums (3), weight sum (1), sum of c_i^new - c_i (n + 3): this rank's clients, summed
         # over ranks by the round's all-reduce; in the model's dtype, as the server state c and (a, b, alpha)
         fed.register_stat(_SUMS, torch.zeros(4 + self._numel(fed) + 3, dtype=fed.params[0].dtype))
 
     # ------------------------------------------------------------------ server
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         st, n = self.state, self._numel(fed)
         if not st:
             like = fed.params[0]
@@ -137,13 +136,13 @@ class Codasca(FederatedCallback):
         for group in fed.local_opt.param_groups:
             group["lr"] = self.lr
 
-    def _global_vector(self, fed: Federation, abz: Tensor | None) -> Tensor:
+    def _global_vector(self, fed: FederationView, abz: Tensor | None) -> Tensor:
         """``(w, a, b)`` of the global model, flat (``a = b = 0`` before the first round)."""
         w = torch.cat([p.detach().reshape(-1) for p in fed.global_params])
         return torch.cat([w, abz[:2] if abz is not None else w.new_zeros(2)])
 
     @override
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         st, sums = self.state, fed.stat(_SUMS)
         eta_g = fed.cfg.server.lr
         st["abz"] += eta_g * (sums[:3] / sums[3] - st["abz"])
@@ -151,17 +150,17 @@ class Codasca(FederatedCallback):
         st["c"] += sums[4:] / fed.num_clients
 
     @override
-    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
         self.state["ref_sum"] += self._global_vector(fed, self.state["abz"])
         self.state["ref_count"] += 1
 
     # ------------------------------------------------------------------ client
     @staticmethod
-    def _numel(fed: Federation) -> int:
+    def _numel(fed: FederationView) -> int:
         return sum(p.numel() for p in fed.params)
 
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         st = self.state
         ci = client.state.get("c")
         if ci is None:
@@ -179,14 +178,14 @@ class Codasca(FederatedCallback):
         s["corr_w"], s["acc_w"] = flat_views(s["corr"][:n], fed.params), flat_views(s["acc"][:n], fed.params)
 
     @override
-    def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:
+    def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
         s = client.extras["codasca"]
         h = heads.binary_score(client.outputs, self.params.score)
         return aucm.aucm(h, client.batch[1], s["a"], s["b"], s["alpha"], self.state["p"], self.params.margin)
 
     @override
     @torch.no_grad()
-    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         p, st, s, lr = self.params, self.state, client.extras["codasca"], self.lr
         n, wd, corr, ref = self._numel(fed), fed.cfg.weight_decay, s["corr"], st["ref"]
         # per parameter tensor, no flattening: g <- clip(g) + (c - c_i) + (w - w_ref) / gamma; c_i sums the raw g
@@ -212,7 +211,7 @@ class Codasca(FederatedCallback):
         alpha.grad = None
 
     @override
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         s, sums = client.extras.pop("codasca"), fed.stat(_SUMS)
         sums[:3] += client.weight * torch.stack([s["a"].detach(), s["b"].detach(), s["alpha"].detach()])
         sums[3] += client.weight

@@ -34,8 +34,7 @@ from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView
 
 _V = "ditto/v/"  # client.state keys: _V + index into fed.params
 _VK = "ditto/v"
@@ -64,16 +63,16 @@ class Ditto(FederatedCallback):
         self.reg = as_regularizer(regularizer)
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
 
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         v = from_state(client.state, _V, len(fed.params))
         client.extras[_VK] = v if v is not None else [t.clone() for t in fed.global_params]
 
     @override
-    def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
         lr = self.params.personal_lr or fed.cfg.lr
         v: list[Tensor] = client.extras[_VK]
         assert client.rows is not None, "on_local_step_end runs inside a local step"
@@ -82,10 +81,10 @@ class Ditto(FederatedCallback):
         client.extras[_VK] = self.reg.prox(torch._foreach_add(v, step, alpha=-lr), lr)
 
     @override
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         keep(client, _V, client.extras.pop(_VK))
 
     @override
-    def personalize(self, fed: Federation, cid: int) -> Any:
+    def personalize(self, fed: FederationView, cid: int) -> Any:
         v = stored(fed, cid, _V)
         return install(fed, v) if v is not None else None

@@ -53,8 +53,7 @@ from flx.regularizers import Regularizer, make_regularizer
 from flx.sampling import derive_seed, fresh_rows
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView
 
 HESSIAN_BATCHES = ("independent", "same")
 _HAT_TAG, _PERSONAL_TAG = 0xFBE1, 0xFBE2
@@ -71,7 +70,7 @@ def as_regularizer(regularizer: Regularizer | Mapping[str, Any] | None) -> Regul
     return make_regularizer({k: tuple(v) if k == "params" else v for k, v in regularizer.items()})
 
 
-def full_grad(fed: Federation, w: Sequence[Tensor], rows: Tensor, chunk: int = 4096) -> list[Tensor]:
+def full_grad(fed: FederationView, w: Sequence[Tensor], rows: Tensor, chunk: int = 4096) -> list[Tensor]:
     """:math:`\\nabla f(w)` of the batch-mean task loss over ``rows``, in chunks of at most ``chunk`` rows."""
     if len(rows) <= chunk:
         return fed.grad_at(w, rows)
@@ -87,7 +86,7 @@ def personal_model(reg: Regularizer, w: Sequence[Tensor], g: Sequence[Tensor], l
 
 
 def fbe_direction(
-    fed: Federation,
+    fed: FederationView,
     w: Sequence[Tensor],
     g: Sequence[Tensor],
     rows_hat: Tensor | None,
@@ -111,7 +110,7 @@ def fbe_direction(
     return direction
 
 
-def fbe_value(fed: Federation, rows: Tensor, lam: float, reg: Regularizer | None = None) -> Tensor:
+def fbe_value(fed: FederationView, rows: Tensor, lam: float, reg: Regularizer | None = None) -> Tensor:
     """The FBE :math:`F(w)` (Eq. 5) of the task loss over ``rows`` at the net's parameters, in eval mode, float64."""
     reg = reg if reg is not None else Regularizer()
     was_training = fed.net.training
@@ -127,7 +126,7 @@ def fbe_value(fed: Federation, rows: Tensor, lam: float, reg: Regularizer | None
     return f - _sq(g) / (2 * lam) + reg.value(p).double() + lam / 2 * _sq(torch._foreach_sub(p, v))
 
 
-def fbe_objective(fed: Federation, lam: float, reg: Regularizer | None = None) -> float:
+def fbe_objective(fed: FederationView, lam: float, reg: Regularizer | None = None) -> float:
     """:math:`F(w) = \\frac1N \\sum_i F_i(w)` (Eq. 7) of the net's parameters, each :math:`F_i` (:func:`fbe_value`)
     on client :math:`i`'s full training rows (a client without rows counts 0, as in ``train/objective``). Client
     :math:`i` on rank :math:`i \\bmod` world size, one sum over the ranks: call it on every rank."""
@@ -148,7 +147,7 @@ def _sq(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def fbe_gradient(
-    fed: Federation, rows: Tensor, lam: float, reg: Regularizer | None = None, mode: str = "exact"
+    fed: FederationView, rows: Tensor, lam: float, reg: Regularizer | None = None, mode: str = "exact"
 ) -> list[Tensor]:
     """:math:`\\nabla F(w)` (Eq. 6) over ``rows`` at the net's parameters: :func:`fbe_direction` with full batches."""
     w = [p.detach() for p in fed.params]
@@ -190,7 +189,7 @@ class FBE(FederatedCallback):
         self.reg = as_regularizer(regularizer)
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
 
     @override
@@ -214,12 +213,12 @@ class FBE(FederatedCallback):
         pl_module.log("train/fbe_objective", value, sync_dist=True, add_dataloader_idx=False)
 
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.hessian != "none" and self.params.hessian_batch == "independent":
             seed = derive_seed(fed.cfg.seed, client.round.round, client.cid, client.copy, _HAT_TAG)
             client.extras[_HAT] = torch.Generator().manual_seed(seed)
 
-    def _hessian_rows(self, fed: Federation, client: ClientContext) -> Tensor:
+    def _hessian_rows(self, fed: FederationView, client: ClientContext) -> Tensor:
         """:math:`\\hat D`: the step's rows (``same``, whichever part chose them) or ``hessian_batch_size`` rows drawn
         without replacement, anew at every step (all the client's rows when it has no more; under
         ``algo.minibatch=fresh`` through :func:`~flx.sampling.fresh_rows`, in random order)."""
@@ -235,7 +234,7 @@ class FBE(FederatedCallback):
         return rows[torch.randperm(len(rows), generator=client.extras[_HAT])[:size].to(rows.device)]  # host draw
 
     @override
-    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         p = self.params
         w = [q.detach() for q in fed.params]
         g = [q.grad if q.grad is not None else torch.zeros_like(q) for q in fed.params]
@@ -245,12 +244,12 @@ class FBE(FederatedCallback):
             q.grad = d
 
     @override
-    def personalize(self, fed: Federation, cid: int) -> Any:
+    def personalize(self, fed: FederationView, cid: int) -> Any:
         rows = fed.data.client_indices[cid]
         return self._personal(fed, cid, rows) if len(rows) else None
 
     @contextmanager
-    def _personal(self, fed: Federation, cid: int, rows: Tensor) -> Iterator[None]:
+    def _personal(self, fed: FederationView, cid: int, rows: Tensor) -> Iterator[None]:
         """The net as :math:`\\theta_i(w)`; the federation restores :math:`w` on exit."""
         size = self.params.personal_batch
         if size is not None and size < len(rows):  # a fixed subset per client: theta_i stays a function of w

@@ -51,14 +51,13 @@ from typing_extensions import override
 from flx import simplex
 from flx.errors import bad_value
 from flx.evaluation import client_losses
-from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
 from flx.metrics.dtype import logged_dtype
+from flx.sampling import derive_seed
 from flx.wandb_logging import log_line_series
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, RoundContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView, Round
     from flx.vectorized import Cohort
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
@@ -123,7 +122,7 @@ class LambdaSampling(FederatedCallback):
             raise bad_value("algo.local_epochs", cfg.local_epochs, "DRFA draws t' among tau steps: use null")
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         if self.lam is None:  # a resumed run loaded lambda with the checkpoint
             self._init_lambda(fed)
         # statistics in the model's dtype (an fp32 model keeps an fp32 round buffer): the snapshot mean is a model,
@@ -138,7 +137,7 @@ class LambdaSampling(FederatedCallback):
             fed.register_stat(_FULL_LOSSES, torch.zeros(fed.num_clients, dtype=dtype))
 
     # ------------------------------------------------------------------ lambda
-    def _init_lambda(self, fed: Federation) -> None:
+    def _init_lambda(self, fed: FederationView) -> None:
         n = fed.num_clients
         if self.params.lambda_init == "uniform":
             self.lam = torch.full((n,), 1.0 / n, dtype=torch.float64)
@@ -152,7 +151,7 @@ class LambdaSampling(FederatedCallback):
         return self.params.gamma * (decay ** (round_idx + 1) if decay != 1 else 1.0)
 
     @override
-    def sample_clients(self, fed: Federation, round_idx: int, rng: np.random.Generator) -> list[int]:
+    def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> list[int]:
         m, n = fed.cfg.clients_per_round, fed.num_clients
         if self.params.sampling == "lambda":
             probs = self.lam.numpy()
@@ -161,7 +160,7 @@ class LambdaSampling(FederatedCallback):
 
     # ------------------------------------------------------------------ server
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         if self.params.mode == "drfa":
             rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, _SNAPSHOT_TAG))
             self._snap_step = int(rng.integers(1, fed.cfg.local_steps + 1))  # j = t' - s tau in {1..tau}
@@ -172,7 +171,7 @@ class LambdaSampling(FederatedCallback):
                 losses[cid] = loss  # batched over the clients: one forward pass covers many clients' rows
 
     @override
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         if self.params.sampling == "uniform_weighted":
             # FedTorch: w <- w - sum_{i in D} lam_i (N/m) (w - w_i) = w + S (mean_lam - w), S = (N/m) sum_D lam_i
             scale = fed.num_clients / len(rnd.cohort) * float(self.lam[list(rnd.cohort)].sum())
@@ -181,7 +180,7 @@ class LambdaSampling(FederatedCallback):
                     m.copy_(w + scale * (m - w))
 
     @override
-    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
         p, n, tau, gamma = self.params, fed.num_clients, fed.cfg.local_steps, self.gamma_at(rnd.round)
         if p.mode == "drfa":
             *sums, weight = fed.stat(_SNAPSHOT)
@@ -216,7 +215,7 @@ class LambdaSampling(FederatedCallback):
         return torch.zeros_like(lam)
 
     @torch.no_grad()
-    def _at_snapshot(self, fed: Federation, snapshot: list[Tensor], eval_set: list[int], round_idx: int) -> Tensor:
+    def _at_snapshot(self, fed: FederationView, snapshot: list[Tensor], eval_set: list[int], round_idx: int) -> Tensor:
         """``(N,)`` float64: ``f_i(w^(t'); xi_i)`` for ``i`` in ``eval_set``, zeros elsewhere; ``snapshot`` is
         ``w^(t')``, shaped like ``fed.local_state``.
 
@@ -242,7 +241,7 @@ class LambdaSampling(FederatedCallback):
         return out
 
     @staticmethod
-    def _loss_at(fed: Federation, values: dict[str, Tensor], rows: Tensor, chunk: int = 4096) -> float:
+    def _loss_at(fed: FederationView, values: dict[str, Tensor], rows: Tensor, chunk: int = 4096) -> float:
         """Mean ``loss_fn`` over ``rows`` with the net's tensors replaced by ``values`` (summed in float64 as
         :meth:`flx.federation.Federation.eval_loss`)."""
         with fed.step_context():
@@ -255,19 +254,19 @@ class LambdaSampling(FederatedCallback):
 
     # ------------------------------------------------------------------ client
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         client.extras["lambda_weight"] = client.weight  # the snapshot mean is unweighted over draws (line 12)
         if self.params.sampling == "uniform_weighted":
             client.weight = float(self.lam[client.cid])
 
     @override
-    def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
         if client.step + 1 == self._snap_step:
             client.extras["snapshot"] = [t.detach().clone() for t in fed.local_state]
 
     @override
     @torch.no_grad()
-    def on_cohort_step_end(self, fed: Federation, cohort: Cohort) -> None:
+    def on_cohort_step_end(self, fed: FederationView, cohort: Cohort) -> None:
         if cohort.step + 1 == self._snap_step:  # algo.vectorize: every client's w^(t') at once
             saved = dataclasses.replace(cohort, params=[w.clone() for w in cohort.params])
             for i, client in enumerate(cohort.clients):
@@ -275,7 +274,7 @@ class LambdaSampling(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         weight = client.extras.pop("lambda_weight")
         if self.params.mode == "drfa":  # this rank's share of sum_i p_i w_i^(t') and of sum_i p_i (line 12)
             *sums, total = fed.stat(_SNAPSHOT)

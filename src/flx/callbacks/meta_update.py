@@ -50,8 +50,7 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView
 
 _Y, _T = "augfl/y/", "augfl/t"  # client.state: the dual (one tensor per fed.params entry), the client's rounds
 DELTA_INDEX = ("client", "round")
@@ -59,7 +58,7 @@ CLIENT_WEIGHTS = ("samples", "uniform")
 
 
 def maml_gradient(
-    fed: Federation, theta: list[Tensor], support: Tensor, query: Tensor, alpha: float, hessian: str, delta: float
+    fed: FederationView, theta: list[Tensor], support: Tensor, query: Tensor, alpha: float, hessian: str, delta: float
 ) -> tuple[Tensor, list[Tensor]]:
     """The one-step MAML gradient :math:`(I - \\alpha \\nabla^2 L(\\theta; S)) \\nabla L(\\phi; Q)` with
     :math:`\\phi = \\theta - \\alpha \\nabla L(\\theta; S)`, the Hessian-vector product by ``hessian`` (``fd``:
@@ -114,7 +113,7 @@ class MetaUpdate(FederatedCallback):
         _require_support(datamodule.clients.client_support)
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         _require_support(fed.data.client_support)
         self._total = sum(fed.num_samples(c) for c in range(fed.num_clients))
 
@@ -124,13 +123,13 @@ class MetaUpdate(FederatedCallback):
         t = t_client if p.delta_index == "client" else client.round.round + 1
         return 1.0 / (p.delta_scale * t + p.delta_offset)
 
-    def weight(self, fed: Federation, cid: int) -> float:
+    def weight(self, fed: FederationView, cid: int) -> float:
         """:math:`w_i`: ``D_i / sum_j D_j`` over the training clients, or ``1 / N``."""
         if self.params.client_weight == "uniform":
             return 1.0 / fed.num_clients
         return fed.num_samples(cid) / self._total
 
-    def meta_gradient(self, fed: Federation, client: ClientContext, t_client: int) -> tuple[Tensor, list[Tensor]]:
+    def meta_gradient(self, fed: FederationView, client: ClientContext, t_client: int) -> tuple[Tensor, list[Tensor]]:
         """:math:`L_i(\\phi_i; Q)` and :math:`\\hat g_i` at the net's :math:`\\theta^t` (Alg. 1 steps 3.1.1-3.1.4)."""
         support, query = fed.data.support_rows(client.cid), fed.data.query_rows(client.cid)
         delta = self.delta(client, t_client)
@@ -139,7 +138,7 @@ class MetaUpdate(FederatedCallback):
         )
 
     @override
-    def local_update(self, fed: Federation, client: ClientContext) -> Tensor:
+    def local_update(self, fed: FederationView, client: ClientContext) -> Tensor:
         p = self.params
         t_client = int(client.state.get(_T, torch.zeros(())).item()) + 1
         if p.bn_refresh and any(True for _ in fed.net.buffers()):

@@ -45,7 +45,7 @@ from flx.autodiff import value_and_grad_at
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
-    from flx.federation import Federation
+    from flx.context import FederationView
 
 CHUNK = 4096  # rows a forward pass takes at most
 MAX_HALVINGS = 60  # backtracking halvings of s in one iteration (2^-60: far below any useful step)
@@ -70,13 +70,13 @@ def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
 Batches = list[tuple[Tensor, Tensor]]
 
 
-def batches(fed: Federation, rows: Tensor) -> Batches:
+def batches(fed: FederationView, rows: Tensor) -> Batches:
     """``(x, y)`` of ``rows`` in chunks of at most :data:`CHUNK`, gathered once for all the iterations."""
     return [fed.batch(part) for part in rows.split(CHUNK)]
 
 
 @torch.no_grad()
-def loss_at(fed: Federation, theta: Sequence[Tensor], data: Batches) -> Tensor:
+def loss_at(fed: FederationView, theta: Sequence[Tensor], data: Batches) -> Tensor:
     """:math:`f(\\theta)`, the batch-mean ``loss_fn`` over ``data`` at ``theta`` (not the net's values), float64 on
     the device; the net in its current mode, its buffers untouched."""
     names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
@@ -88,7 +88,7 @@ def loss_at(fed: Federation, theta: Sequence[Tensor], data: Batches) -> Tensor:
     return total / rows
 
 
-def value_and_grad(fed: Federation, theta: Sequence[Tensor], data: Batches) -> tuple[Tensor, list[Tensor]]:
+def value_and_grad(fed: FederationView, theta: Sequence[Tensor], data: Batches) -> tuple[Tensor, list[Tensor]]:
     """:math:`f(\\theta)` (float64) and :math:`\\nabla f(\\theta)` over ``data``
     (:func:`flx.autodiff.value_and_grad_at`, chunk by chunk)."""
     total, rows = torch.zeros((), dtype=torch.float64, device=theta[0].device), sum(len(y) for _, y in data)
@@ -102,7 +102,7 @@ def value_and_grad(fed: Federation, theta: Sequence[Tensor], data: Batches) -> t
 
 
 def _smooth(
-    fed: Federation, theta: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float
+    fed: FederationView, theta: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float
 ) -> tuple[Tensor, list[Tensor]]:
     r""":math:`\phi(\theta) = f(\theta) + \frac{\lambda}{2}\lVert\theta - w\rVert^2` and its gradient."""
     f, grad = value_and_grad(fed, theta, data)
@@ -111,12 +111,12 @@ def _smooth(
     return f + lam / 2 * _sq(d), grad
 
 
-def _phi(fed: Federation, theta: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float) -> Tensor:
+def _phi(fed: FederationView, theta: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float) -> Tensor:
     return loss_at(fed, theta, data) + lam / 2 * _sq(torch._foreach_sub(theta, list(w)))
 
 
 def _prox_step(
-    fed: Federation, y: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float, reg: Regularizer, s: float
+    fed: FederationView, y: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float, reg: Regularizer, s: float
 ) -> tuple[list[Tensor], float, float]:
     """The backtracked step from ``y``: ``(theta_plus, s, ||G_s(y)||)``; ``s`` halved until the bound holds (or the
     objective is not finite: then the residual is NaN)."""
@@ -135,7 +135,7 @@ def _prox_step(
 
 
 def moreau_solve(
-    fed: Federation,
+    fed: FederationView,
     w: Sequence[Tensor],
     rows: Tensor,
     lam: float,

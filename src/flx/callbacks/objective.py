@@ -43,19 +43,18 @@ from flx.hooks import FederatedCallback
 from flx.regularizers import Regularizer, make_regularizer
 
 if TYPE_CHECKING:
-    from flx.context import FederationConfig
+    from flx.context import FederationConfig, FederationView
     from flx.datamodules.client_eval import ClientRows
-    from flx.federation import Federation
 
 
 @torch.no_grad()
-def composite_objective(fed: Federation, h: Regularizer) -> tuple[float, float]:
+def composite_objective(fed: FederationView, h: Regularizer) -> tuple[float, float]:
     """``(mean_i f_i(w), h(w))`` of the net's current model; ``h`` bound to ``fed.net``. Call it on every rank."""
     value = float(h.value([p.detach().double() for p in fed.params]))
     return float(client_train_losses(fed).mean()), value
 
 
-def personal_terms(fed: Federation, h: Regularizer) -> Tensor:
+def personal_terms(fed: FederationView, h: Regularizer) -> Tensor:
     """``(N, 3)`` float64 on the CPU: per client, :math:`f_j(\\theta_j)` on its training rows, :math:`h(\\theta_j)`
     and 1 where a part personalised it (0: the global model, the first two columns 0). Call it on every rank."""
     with torch.inference_mode(False):  # Lightning evaluates under inference mode; personalize may take gradients
@@ -73,7 +72,7 @@ def personal_terms(fed: Federation, h: Regularizer) -> Tensor:
         return out.cpu()
 
 
-def personal_objective(fed: Federation, h: Regularizer, f: Tensor, h_w: float) -> tuple[float, Tensor]:
+def personal_objective(fed: FederationView, h: Regularizer, f: Tensor, h_w: float) -> tuple[float, Tensor]:
     """``(train/personal_objective, per-client h(theta_j))`` from :func:`personal_terms`; ``f``: the ``(N,)``
     :math:`f_j(w)` (:func:`client_train_losses`), ``h_w``: :math:`h(w)`."""
     if not fed.parts_with("personalize"):
@@ -84,7 +83,7 @@ def personal_objective(fed: Federation, h: Regularizer, f: Tensor, h_w: float) -
     return float((torch.where(own, terms[:, 0], f) + h_j).mean()), h_j
 
 
-def split_objective(fed: Federation, data: ClientRows, h_j: Tensor) -> float:
+def split_objective(fed: FederationView, data: ClientRows, h_j: Tensor) -> float:
     """:math:`\\operatorname{mean}_j \\hat f_j(\\theta_j) + h(\\theta_j)` over the clients with rows in ``data``
     (:meth:`~flx.federation.Federation.evaluate_clients` with the task loss)."""
     per_client = fed.evaluate_clients(data, fed.loss_fn)

@@ -50,14 +50,13 @@ from typing_extensions import override
 from flx.aggregation import flat_views
 from flx.callbacks.client_noise import ClientNoise
 from flx.errors import ConfigError, bad_value
-from flx.federation import derive_seed
 from flx.hooks import FederatedCallback
 from flx.losses import xrisk
 from flx.models import heads
+from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, RoundContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView, Round
     from flx.vectorized import Cohort
 
 LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
@@ -144,7 +143,7 @@ class PassiveBuffer(FederatedCallback):
                 )
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         """Declares the round's statistics, in the model's dtype (an fp32 model keeps an fp32 round buffer).
 
         Pools: client ``i`` records exactly ``K_i B1`` positive scores, as many ``u`` values and ``K_i B2`` negative
@@ -168,14 +167,14 @@ class PassiveBuffer(FederatedCallback):
 
     # ------------------------------------------------------------------ server
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         if not self.pools and self.params.pairs == "passive":
             first = self._minibatch_pool if self.params.init_pools == "minibatch" else self._initial_pool
             self.pools = [first(fed)]
         self._merged = {k: torch.cat([pool[k] for pool in self.pools]) for k in KEYS} if self.pools else {}
 
     @torch.no_grad()
-    def _initial_pool(self, fed: Federation) -> dict[str, Tensor]:
+    def _initial_pool(self, fed: FederationView) -> dict[str, Tensor]:
         """``H^0``: scores of every training sample under ``w^0`` (identical on every rank, no collective)."""
         rows = torch.cat(list(fed.data.client_indices[: fed.num_clients]))  # the training clients
         scores = torch.cat([self.score(fed.net(fed.data.x[r])) for r in rows.split(4096)]).cpu()
@@ -183,7 +182,7 @@ class PassiveBuffer(FederatedCallback):
         return {"pos": scores[pos], "u": torch.full((int(pos.sum()),), self.params.u0), "neg": scores[~pos]}
 
     @torch.no_grad()
-    def _minibatch_pool(self, fed: Federation) -> dict[str, Tensor]:
+    def _minibatch_pool(self, fed: FederationView) -> dict[str, Tensor]:
         """``H^0``, ``U^0``: each client scores ``K`` minibatches under ``w^0`` as in its local steps, no update.
 
         Minibatches come from ``_pick`` and the inputs go through the input noise of the run's ``ClientNoise`` parts
@@ -216,7 +215,7 @@ class PassiveBuffer(FederatedCallback):
         return {"pos": pos, "u": torch.full_like(pos, p.u0), "neg": torch.cat(scores["neg"]).cpu()}
 
     @override
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         if self.params.pairs == "passive":
             *pools, present = fed.stat(_POOLS)
             counts = present.cpu().tolist()  # one copy to the host a round
@@ -235,16 +234,16 @@ class PassiveBuffer(FederatedCallback):
         return heads.binary_score(outputs, self.params.score)
 
     @staticmethod
-    def _numel(fed: Federation) -> int:
+    def _numel(fed: FederationView) -> int:
         return sum(p.numel() for p in fed.params)
 
     @staticmethod
-    def _split(fed: Federation, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def _split(fed: FederationView, rows: Tensor) -> tuple[Tensor, Tensor]:
         """A client's rows: its positives, its negatives."""
         is_pos = (fed.data.y[rows] == 1).to(rows.device)  # a no-op unless the store is kept on the host
         return rows[is_pos], rows[~is_pos]
 
-    def _start_momentum(self, fed: Federation, client: ClientContext) -> Tensor:
+    def _start_momentum(self, fed: FederationView, client: ClientContext) -> Tensor:
         """``m`` at the round's first step: the server mean ``G_bar``, or the client's own (``momentum_sync``)."""
         if self.params.momentum_sync == "client" and "m" in client.state:
             return client.state["m"].clone()
@@ -253,7 +252,7 @@ class PassiveBuffer(FederatedCallback):
         return torch.zeros(self._numel(fed), dtype=fed.params[0].dtype, device=fed.params[0].device)
 
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         pos, neg = self._split(fed, fed.data.client_indices[client.cid])
         if not len(pos) or not len(neg):
             raise RuntimeError(f"FeDXL: client {client.cid} needs both positives and negatives")
@@ -298,14 +297,14 @@ class PassiveBuffer(FederatedCallback):
         return torch.randint(len(rows), (count,), generator=gen)
 
     @override
-    def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor:
+    def sample_batch(self, fed: FederationView, client: ClientContext) -> Tensor:
         s = client.extras["fedxl"]
         s["ipos"] = self._pick(s["pos"], self.params.b1, client.generator)
         ineg = self._pick(s["neg"], self.params.b2, client.generator)
         return torch.cat([s["pos"][s["ipos"].to(s["pos"].device)], s["neg"][ineg.to(s["neg"].device)]])
 
     @override
-    def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:
+    def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
         p, s, pool = self.params, client.extras["fedxl"], self._merged
         h = self.score(client.outputs)
         a, b = h[: p.b1], h[p.b1 :]
@@ -337,7 +336,7 @@ class PassiveBuffer(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.beta == 1.0:
             return
         s, grads = client.extras["fedxl"], [p.grad for p in fed.params]
@@ -348,7 +347,7 @@ class PassiveBuffer(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_cohort_grad(self, fed: Federation, cohort: Cohort) -> None:
+    def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         if self.params.beta == 1.0:
             return
         for i, client in enumerate(cohort.clients):  # each client's m, on its slice of the stacked gradients
@@ -360,7 +359,7 @@ class PassiveBuffer(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         s = client.extras.pop("fedxl")
         if s["rec"]["pos"]:  # committed here, so a dropped client records nothing
             *pools, present = fed.stat(_POOLS)

@@ -32,8 +32,7 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,11 @@ class PerFedAvg(FederatedCallback):
         _require_support(datamodule.clients.client_support)
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         _require_support(fed.data.client_support)
 
     @override
-    def local_update(self, fed: Federation, client: ClientContext) -> Tensor:
+    def local_update(self, fed: FederationView, client: ClientContext) -> Tensor:
         p, beta = self.params, fed.cfg.lr
         support, query = fed.data.support_rows(client.cid), fed.data.query_rows(client.cid)
         total = torch.zeros((), dtype=torch.float64, device=fed.params[0].device)

@@ -35,8 +35,7 @@ from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView
 
 MODELS = ("global", "local")
 _LOCAL = "personal/w/"
@@ -52,14 +51,14 @@ def from_state(state: dict[str, Tensor], prefix: str, n: int) -> list[Tensor] | 
     return [state[f"{prefix}{k}"] for k in range(n)] if f"{prefix}0" in state else None
 
 
-def stored(fed: Federation, cid: int, prefix: str) -> list[Tensor] | None:
+def stored(fed: FederationView, cid: int, prefix: str) -> list[Tensor] | None:
     """Client ``cid``'s personal model kept under ``prefix`` in the state store, on the net's device, or None."""
     state = fed.store.get(cid, fed.params[0].device) if cid in fed.store else {}
     return from_state(state, prefix, len(fed.params))
 
 
 @contextmanager
-def install(fed: Federation, tensors: Sequence[Tensor]) -> Iterator[None]:
+def install(fed: FederationView, tensors: Sequence[Tensor]) -> Iterator[None]:
     """The net's parameters set to ``tensors`` for a ``with`` block; the federation's
     :meth:`~flx.federation.Federation.personalize` restores the global model on exit."""
     with torch.no_grad():
@@ -85,12 +84,12 @@ class PersonalModel(FederatedCallback):
         self.params = PersonalModelParams(model)
 
     @override
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.model == "local":
             keep(client, _LOCAL, fed.params)
 
     @override
-    def personalize(self, fed: Federation, cid: int) -> Any:
+    def personalize(self, fed: FederationView, cid: int) -> Any:
         if self.params.model == "global":
             return None  # the global model: evaluated with the other global-model clients, rows batched
         local = stored(fed, cid, _LOCAL)

@@ -50,8 +50,7 @@ from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class PFedMeParams:
 
 
 def inner_solve(
-    fed: Federation, theta: list[Tensor], w: Sequence[Tensor], rows: Tensor, p: PFedMeParams, reg: Regularizer
+    fed: FederationView, theta: list[Tensor], w: Sequence[Tensor], rows: Tensor, p: PFedMeParams, reg: Regularizer
 ) -> list[Tensor]:
     """:math:`K` proximal-gradient steps on :math:`f(\\theta; D) + h(\\theta) + \\frac{\\lambda}{2}\\lVert\\theta -
     w\\rVert^2` from ``theta`` (returned, new tensors)."""
@@ -118,11 +117,11 @@ class PFedMe(FederatedCallback):
                 raise bad_value(f"algo.{key}", getattr(cfg, key), "must be 0: pFedMe's local update is plain")
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
 
     @override
-    def local_update(self, fed: Federation, client: ClientContext) -> Tensor:
+    def local_update(self, fed: FederationView, client: ClientContext) -> Tensor:
         p, eta = self.params, fed.cfg.lr
         theta = [q.detach().clone() for q in fed.params]
         total = 0.0
@@ -137,7 +136,7 @@ class PFedMe(FederatedCallback):
         return mean if isinstance(mean, Tensor) else torch.zeros((), dtype=torch.float64, device=fed.params[0].device)
 
     @override
-    def personalize(self, fed: Federation, cid: int) -> Any:
+    def personalize(self, fed: FederationView, cid: int) -> Any:
         if self.params.personal == "stored":
             theta = stored(fed, cid, _THETA)
             return install(fed, theta) if theta is not None else None  # never trained: the global model
@@ -147,11 +146,11 @@ class PFedMe(FederatedCallback):
         optimum = self.params.personal == "optimum"
         return install(fed, self._optimum(fed, cid, rows) if optimum else self._steps(fed, rows))
 
-    def _steps(self, fed: Federation, rows: Tensor) -> list[Tensor]:
+    def _steps(self, fed: FederationView, rows: Tensor) -> list[Tensor]:
         w = [q.detach().clone() for q in fed.params]
         return inner_solve(fed, [t.clone() for t in w], w, rows, self.params, self.reg)
 
-    def _optimum(self, fed: Federation, cid: int, rows: Tensor) -> list[Tensor]:
+    def _optimum(self, fed: FederationView, cid: int, rows: Tensor) -> list[Tensor]:
         """:math:`\\theta_i(w)` solved to the tolerance, from the memo while the global model is the one it was
         solved at."""
         w = [q.detach() for q in fed.params]

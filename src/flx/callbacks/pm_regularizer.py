@@ -51,8 +51,7 @@ from flx.models.pretrain import PretrainParams
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
-    from flx.context import FederationConfig, RoundContext
-    from flx.federation import Federation
+    from flx.context import FederationConfig, FederationView, Round
 
 GRADIENTS = ("paper", "code")
 _TAG = 0x414647  # "AFG": the server minibatch order and the CRD negatives of round t
@@ -138,7 +137,7 @@ class PMRegularizer(FederatedCallback):
             raise bad_value("data.server_fraction", 0, f"AugFL's R_h={p.rh} needs server rows: set a fraction > 0")
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         if not self.active:
             return
         p, res = self.params, fed.resources
@@ -154,7 +153,7 @@ class PMRegularizer(FederatedCallback):
             self.head_opt = self._sgd(self.crd.parameters())
             self._restore()
 
-    def _load_pm(self, fed: Federation) -> nn.Module:
+    def _load_pm(self, fed: FederationView) -> nn.Module:
         """``server.models.<pm>``, or else a PM of ``pm_model`` trained on the server rows (on rank 0, where the
         server step runs; the other ranks hold an untrained one of the same shape) and kept in ``cache``."""
         p, res = self.params, fed.resources
@@ -175,14 +174,14 @@ class PMRegularizer(FederatedCallback):
         return torch.optim.SGD(params, lr=p.head_lr, momentum=p.head_momentum, weight_decay=p.head_weight_decay)
 
     @override
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         if not self.active:
             return
         grad = fed.on_server(lambda: [g.cpu() for g in self._seeded_gradient(fed, rnd.round)])
         scale = self.params.lam / fed.aggregator.total_weight
         torch._foreach_add_(mean[: len(grad)], [g.to(m) for g, m in zip(grad, mean)], alpha=-scale)
 
-    def _seeded_gradient(self, fed: Federation, round_idx: int) -> list[Tensor]:
+    def _seeded_gradient(self, fed: FederationView, round_idx: int) -> list[Tensor]:
         """:meth:`gradient` with the global RNG (dropout) seeded by ``(seed, round)`` and restored afterwards, so the
         server step is the same on 1 or N processes."""
         devices = [fed.params[0].device] if fed.params[0].is_cuda else []
@@ -190,7 +189,7 @@ class PMRegularizer(FederatedCallback):
             torch.manual_seed(derive_seed(fed.cfg.seed, round_idx, _TAG, 1))
             return self.gradient(fed, round_idx)
 
-    def gradient(self, fed: Federation, round_idx: int) -> list[Tensor]:
+    def gradient(self, fed: FederationView, round_idx: int) -> list[Tensor]:
         """:math:`G^t` at :math:`\\theta^t` (``fed.global_params``), one tensor per parameter. Loads
         :math:`\\theta^t` into the net (the core overwrites the net after the server step)."""
         p, pm = self.params, self.pm_net
@@ -221,7 +220,7 @@ class PMRegularizer(FederatedCallback):
             q.grad = None
         return total
 
-    def _loss(self, fed: Federation, pm: nn.Module, rows: Tensor, pos: Tensor, gen: torch.Generator) -> Tensor:
+    def _loss(self, fed: FederationView, pm: nn.Module, rows: Tensor, pos: Tensor, gen: torch.Generator) -> Tensor:
         """:math:`R_h` of the net on the server ``rows`` (``gradient=code``: ``ce_weight`` CE + ``rh_weight``
         :math:`R_h`); ``pos``: the rows' positions in the server split (CRD's memory-bank rows)."""
         p = self.params

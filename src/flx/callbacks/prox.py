@@ -27,8 +27,7 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView
     from flx.vectorized import Cohort
 
 
@@ -51,7 +50,7 @@ class Prox(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.mu == 0.0:
             return
         grads = [p.grad for p in fed.params]
@@ -59,7 +58,7 @@ class Prox(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_cohort_grad(self, fed: Federation, cohort: Cohort) -> None:
+    def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         if self.params.mu == 0.0:
             return
         for g, w, w_t in zip(cohort.grads, cohort.params, fed.global_params):

@@ -65,25 +65,24 @@ from flx.hooks import FederatedCallback
 from flx.regularizers import make_regularizer
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, RoundContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationConfig, FederationView, Round
 
 # registered statistics: [sum_i p_i K_i, sum_i p_i] over the round's aggregated clients, for K-bar
 _MID_STEPS, _DUAL_STEPS = "prox_step/steps", "dual_averaging/steps"
 _DUAL = "dual_averaging/z"  # client.extras key of the client's dual z_i
 
 
-def _register_steps(fed: Federation, name: str) -> None:
+def _register_steps(fed: FederationView, name: str) -> None:
     fed.register_stat(name, torch.zeros(2, dtype=fed.params[0].dtype))  # model dtype: no fp64 round buffer
 
 
-def _add_steps(fed: Federation, name: str, client: ClientContext) -> None:
+def _add_steps(fed: FederationView, name: str, client: ClientContext) -> None:
     steps = fed.stat(name)
     steps[0] += client.weight * client.num_steps
     steps[1] += client.weight
 
 
-def _mean_steps(fed: Federation, name: str) -> float:
+def _mean_steps(fed: FederationView, name: str) -> float:
     """``K-bar``: the aggregation-weighted mean of the round's local step counts (summed over ranks)."""
     steps = fed.stat(name)
     return float(steps[0]) / float(steps[1])
@@ -114,30 +113,30 @@ class ProxStep(FederatedCallback):
         self._stepped = False  # whether this round had a server step (set in on_server_step, read in on_round_end)
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
         if self.params.server_prox:
             _register_steps(fed, _MID_STEPS)
 
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         self._stepped = False
 
     @override
-    def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
         self.reg.prox_(fed.params, fed.cfg.lr)
 
     @override
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.server_prox:
             _add_steps(fed, _MID_STEPS, client)
 
     @override
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         self._stepped = True
 
     @override
-    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
         if self._stepped and self.params.server_prox:
             self.reg.prox_(fed.params, fed.cfg.server.lr * fed.cfg.lr * _mean_steps(fed, _MID_STEPS))
         self._stepped = False
@@ -170,7 +169,7 @@ class DualAveraging(FederatedCallback):
             raise bad_value("algo.aggregator", cfg.aggregator, "FedDualAvg averages the clients' duals: use mean")
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
         if self.z is None:  # a resumed run loaded z with the checkpoint
             self.z = [p.detach().clone() for p in fed.params]
@@ -179,21 +178,21 @@ class DualAveraging(FederatedCallback):
         _register_steps(fed, _DUAL_STEPS)
 
     @torch.no_grad()
-    def _to_primal(self, fed: Federation, z: list[Tensor], gamma: float) -> None:
+    def _to_primal(self, fed: FederationView, z: list[Tensor], gamma: float) -> None:
         """The net's parameters <- ``prox_{gamma h}(z)``."""
         torch._foreach_copy_(fed.params, z)
         self.reg.prox_(fed.params, gamma)
 
     # ------------------------------------------------------------------ client
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         z = [t.clone() for t in self.z]
         client.extras[_DUAL] = z
         self._to_primal(fed, z, self.elapsed)  # x_{i,0} = prox(z^t) = w^t (a projection at t = 0 for indicators)
 
     @override
     @torch.no_grad()
-    def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
         z, eta = client.extras[_DUAL], fed.cfg.lr
         for zi, p in zip(z, fed.params):
             if p.grad is not None:  # the gradient at x_{i,k}, as the parts' on_local_grad left it
@@ -204,7 +203,7 @@ class DualAveraging(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         z = client.extras.pop(_DUAL)
         torch._foreach_copy_(fed.params, z)  # the upload is the dual z_{i,K_i}
         if all(bool(t.isfinite().all()) for t in z):  # a non-finite upload is dropped by the core: no K_i either
@@ -212,19 +211,19 @@ class DualAveraging(FederatedCallback):
 
     # ------------------------------------------------------------------ server
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         self._stepped = False
 
     @override
     @torch.no_grad()
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         # mean[:n] is the dual mean z-bar; the server optimizer steps fed.global_params towards it, so it gets z^t
         torch._foreach_copy_(fed.global_params, self.z)
         self._stepped = True
 
     @override
     @torch.no_grad()
-    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
         if not self._stepped:  # no client aggregated: the net kept w^t, z and eta~ stay
             return
         self._stepped = False

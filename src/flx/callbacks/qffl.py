@@ -61,8 +61,7 @@ from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, RoundContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView, Round
 
 _SUMS = "qffl/sums"  # the registered statistic (sum a_k, sum h_k)
 
@@ -106,7 +105,7 @@ class QFFL(FederatedCallback):
         self.L = 0.0
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self.L = 1.0 / fed.cfg.lr if self.params.lipschitz is None else self.params.lipschitz
         # (sum a_k, sum h_k): this rank's clients, summed over ranks by the round's all-reduce. The model's dtype, so
         # an fp32 model keeps an fp32 round buffer; s is a ratio of two sums, fp32 rounding (1e-7) is harmless
@@ -115,7 +114,7 @@ class QFFL(FederatedCallback):
     # ------------------------------------------------------------------ server
     @override
     @torch.no_grad()
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         sum_a, sum_h = fed.stat(_SUMS).cpu().tolist()  # one copy to the host a round
         if not 0 < sum_h < math.inf:
             raise RuntimeError(f"q-FFL round {rnd.round}: sum of h_k is {sum_h}, the server step needs it in (0, inf)")
@@ -126,7 +125,7 @@ class QFFL(FederatedCallback):
 
     # ------------------------------------------------------------------ client
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         loss = fed.eval_loss(fed.data.client_indices[client.cid])
         if not 0 <= loss < math.inf:
             raise RuntimeError(f"q-FFL: client {client.cid} has loss F_k={loss} at w^t; q-FFL needs a finite F_k >= 0")
@@ -134,7 +133,7 @@ class QFFL(FederatedCallback):
 
     @override
     @torch.no_grad()
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         draws = client.draws  # k under duplicates=multiplicity (one run for k draws), 1 per run under repeat
         diff = torch._foreach_sub(fed.params, fed.global_params)  # w_k - w^t
         sq_dist = float(torch.stack(torch._foreach_norm(diff)).double().square().sum())

@@ -33,8 +33,7 @@ from flx.errors import bad_value
 from flx.metrics.sparse import THRESHOLD, numerical_rank, recovery_error, support_scores
 
 if TYPE_CHECKING:
-    from flx.context import FederationConfig
-    from flx.federation import Federation
+    from flx.context import FederationConfig, FederationView
 
 SUPPORT = ("support_precision", "support_recall", "support_f1", "density")
 LOW_RANK = ("rank", "recovery_error")
@@ -63,7 +62,7 @@ class Structure(LoggedMetrics):
         keys = (SUPPORT, LOW_RANK) if self.truths is None else (SUPPORT if self.truths.dim() == 2 else LOW_RANK,)
         return tuple(f"{{split}}/{p}{k}{s}" for ks in keys for k in ks for p, s in (("", ""), ("personal_", "_mean")))
 
-    def _index(self, fed: Federation) -> int:
+    def _index(self, fed: FederationView) -> int:
         names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
         hits = [i for i, n in enumerate(names) if fnmatch.fnmatch(n, self.param)]
         if len(hits) != 1:
@@ -78,7 +77,7 @@ class Structure(LoggedMetrics):
             return [s["precision"], s["recall"], s["f1"], s["density"]]
         return [float(numerical_rank(w, self.threshold)), recovery_error(w, truth)]
 
-    def values(self, fed: Federation) -> dict[str, float]:
+    def values(self, fed: FederationView) -> dict[str, float]:
         """Every metric of the global model (mean over the clients' truths) and of the personalised models."""
         if self.truths is None:  # check_setup not run (a part built by hand without data)
             return {}

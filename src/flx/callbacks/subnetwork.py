@@ -48,8 +48,7 @@ from flx.sampling import derive_seed
 from flx.wandb_logging import ROUND, log_line_series, log_wandb, wandb_loggers
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, RoundContext
-    from flx.federation import Federation
+    from flx.context import ClientContext, FederationView, Round
 
 _MASK_TAG, _LABEL_TAG = 0x57A1, 0x57A2
 _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches this round
@@ -113,7 +112,7 @@ class Subnetwork(FederatedCallback):
         self.windows: list[list[float]] = []  # per client, the last D rounds' mean FI^2 (oldest first)
         self.levels: dict[int, int] = {}  # this round's level per cohort client
         self.time_to_target: float | None = None
-        self._fed: Federation | None = None
+        self._fed: FederationView | None = None
         self._log: dict[str, float] = {}
         self._utils: list[float] = []  # this round's Util values (for calibrating U_th: whale/util_median)
         # per round: {"round" (1-based, as fl/round), "clock", "level": {cid: p}, "fi": {cid: sqrt(mean FI^2)}}
@@ -124,13 +123,13 @@ class Subnetwork(FederatedCallback):
 
     # ------------------------------------------------------------------ setup
     @override
-    def check_federation(self, datamodule: Any, fed: Federation, net: nn.Module) -> None:
+    def check_federation(self, datamodule: Any, fed: FederationView, net: nn.Module) -> None:
         """The aggregator, the simulated devices, a width-scalable net, a device profile per level and a level cap
         per device type: all decided by the config, checked before anything is written (and again at attach, for a
         federation built by hand)."""
         self._require(fed, net, datamodule.num_clients)
 
-    def _require(self, fed: Federation, net: nn.Module, num_clients: int) -> None:
+    def _require(self, fed: FederationView, net: nn.Module, num_clients: int) -> None:
         p = self.params
         if fed.cfg.aggregator != "count_mean":
             raise bad_value("algo.aggregator", fed.cfg.aggregator, "sub-networks need count_mean")
@@ -154,7 +153,7 @@ class Subnetwork(FederatedCallback):
         return ("whale/*", "sim/time_to_target")
 
     @override
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         self._require(fed, fed.net, fed.num_clients)
         if len(self.windows) != fed.num_clients:  # a resumed run loaded them with the checkpoint
             self.windows = [[] for _ in range(fed.num_clients)]
@@ -162,7 +161,7 @@ class Subnetwork(FederatedCallback):
         self._fed = fed
 
     # ------------------------------------------------------------------ server: levels
-    def client_level(self, fed: Federation, cid: int, round_idx: int) -> int:
+    def client_level(self, fed: FederationView, cid: int, round_idx: int) -> int:
         """``p_{i,r}`` (identical on every rank: the windows and the simulator are)."""
         p = self.params
         p_max = p.max_levels[fed.system.device_type(cid)]
@@ -179,21 +178,21 @@ class Subnetwork(FederatedCallback):
         self._utils.append(util)
         return wu.level(util, u_th=p.u_th, levels=p.levels, p_max=p_max)
 
-    def _te_batches(self, fed: Federation, cid: int) -> int:
+    def _te_batches(self, fed: FederationView, cid: int) -> int:
         n = fed.num_samples(cid)
         return {"batches": -(-n // fed.cfg.batch_size), "steps": fed.client_steps(cid), "samples": n}[
             self.params.te_batches
         ]
 
     @override
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         self._utils = []
         self.levels = {cid: self.client_level(fed, cid, rnd.round) for cid in rnd.cohort}
         for cid, level in self.levels.items():
-            fed.set_width(cid, wu.width(level, self.params.s))
+            rnd.set_width(cid, wu.width(level, self.params.s))
 
     @override
-    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
         fed.net.set_width(1.0)  # also after a dropped last client, whose on_client_end never ran
         fi2, left_out = fed.stat(_FI2), set(fed.faults.dropped) | set(fed.faults.skipped)
         trained = [c for c in rnd.cohort if c not in left_out]
@@ -202,7 +201,7 @@ class Subnetwork(FederatedCallback):
             self.windows[cid] = [*self.windows[cid], fi2[cid]][-self.params.D :]
         counts = {q: sum(v == q for v in self.levels.values()) for q in range(1, self.params.levels + 1)}
         self._log = {f"whale/level_{q}": float(k) for q, k in counts.items()}
-        self._log["whale/width_mean"] = sum(fed.width(c) for c in rnd.cohort) / max(len(rnd.cohort), 1)
+        self._log["whale/width_mean"] = sum(rnd.width(c) for c in rnd.cohort) / max(len(rnd.cohort), 1)
         rms = [math.sqrt(max(fi2[c], 0.0)) for c in trained]
         if self.track_fisher:
             self._log["whale/fi_mean"] = sum(rms) / len(rms) if rms else 0.0
@@ -214,8 +213,8 @@ class Subnetwork(FederatedCallback):
 
     # ------------------------------------------------------------------ client: masks, gradients, Fisher
     @override
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
-        rho, r = fed.width(client.cid), client.round.round
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
+        rho, r = client.round.width(client.cid), client.round.round
         gen = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, r, client.cid, _MASK_TAG))
         classes = None
         if self.params.label_aware:  # token targets: the ids of the scored positions (-100 marks the others)
@@ -231,7 +230,7 @@ class Subnetwork(FederatedCallback):
             client.extras["whale_labels"] = torch.Generator(device=fed.params[0].device).manual_seed(seed)
 
     @override
-    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         mask_grads(fed.params, client.masks)
         last = self.params.fisher_batches
         if not self.track_fisher or (last is not None and client.step >= last):
@@ -244,7 +243,7 @@ class Subnetwork(FederatedCallback):
         acc[0], acc[1] = acc[0] + fi * fi, acc[1] + 1
 
     @override
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         fed.net.set_width(1.0)
         total, count = client.extras.pop("whale_fi2")  # total: a float64 scalar on the device (no sync per step)
         value, stat = total / max(count, 1), fed.stat(_FI2)
