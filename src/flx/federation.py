@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from flx import autodiff, evaluation, vectorized
 from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
 from flx.clients import Sequential
-from flx.context import ClientContext, ClientData, FederationConfig, Round
+from flx.context import ClientContext, ClientData, FederationConfig, FederationSpec, Round
 from flx.datamodules.ragged import Ragged
 from flx.faults import DivergenceWatch, RoundFaults, all_finite, check_global_model, judge, knob
 from flx.hooks import HOOKS, FederatedCallback, overrides
@@ -45,15 +45,15 @@ from flx.sampling import (
     uniform_cohort,
 )
 from flx.server import ServerOptimizer
-from flx.state import ClientStateStore, ServerState
+from flx.state import ServerState
 from flx.systems.clock import SimClock
-from flx.systems.simulator import LatencySimulator
 
 __all__ = [
     "ClientContext",
     "ClientData",
     "Federation",
     "FederationConfig",
+    "FederationSpec",
     "Round",
     "derive_seed",
     "local_batches",
@@ -80,31 +80,25 @@ def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
 
 
 class Federation:
-    """Runs rounds on one rank. Built from config, attached to the module's net and data at setup.
+    """Runs rounds on one rank: the round engine, whole when built (the net, the data and the process group given).
 
     Args:
-        cfg: the round-protocol hyper-parameters.
-        store: per-client persistent state (created in memory when omitted).
-        system: the device / latency simulator (``system=mobile20``; docs/systems.md), or None: ``fed.system``, which
-            parts query, and the simulated clock ``fed.clock`` (``sim/round_time``, ``sim/clock``).
+        spec: the settings, the client-state store and the simulator (:class:`FederationSpec`), or the settings alone.
+        net: the (single, reused) net.
+        data: the client store (:class:`flx.context.ClientData`) on the net's device.
+        loss_fn: the task's batch-mean loss.
+        parts: the algorithm's parts, in ``algo.parts`` order.
+        reduce_sum, gather, broadcast: the process group's all-reduce of a tensor (sum), all-gather of a picklable
+            object (rank order) and broadcast of rank 0's object; only called when ``world_size > 1``.
+        rank, world_size: this process and the number of processes.
+        step_context: the precision context of the local steps.
+        server: the server-side resources (:class:`flx.resources.ServerResources`: rows no client sees, frozen
+            models), or None.
     """
 
     def __init__(
-        self, cfg: FederationConfig, store: ClientStateStore | None = None, system: LatencySimulator | None = None
-    ) -> None:
-        self.cfg = cfg
-        self.store = store if store is not None else ClientStateStore()  # an empty store is falsy (len 0)
-        self.server = ServerState()
-        self.system = system
-        self.clock = SimClock(system) if system is not None else None
-        self.parts: list[FederatedCallback] = []
-        self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}
-        self.rnd: Round | None = None  # the current round, or the last one trained; None before the first
-        self.divergence = DivergenceWatch(cfg.diverge_factor, cfg.diverge_rounds)
-
-    # ------------------------------------------------------------------ setup
-    def attach(
         self,
+        spec: FederationSpec | FederationConfig,
         net: nn.Module,
         data: ClientData,
         loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -117,13 +111,12 @@ class Federation:
         broadcast: Callable[[Any], Any] | None = None,
         server: Any = None,
     ) -> None:
-        """Binds the federation to the (single, reused) net, the data and the process group.
-
-        ``reduce_sum`` all-reduces a tensor (sum); ``gather`` all-gathers a picklable object (rank order);
-        ``broadcast`` sends rank 0's picklable object to every rank; all three are only called when
-        ``world_size > 1``. ``server`` holds the server-side resources (:class:`flx.resources.ServerResources`:
-        rows no client sees, frozen models), or None.
-        """
+        self.spec = spec if isinstance(spec, FederationSpec) else FederationSpec(spec)
+        self.cfg, self.store, self.system = self.spec.cfg, self.spec.store, self.spec.system
+        self.server = ServerState()
+        self.clock = SimClock(self.system) if self.system is not None else None
+        self.rnd: Round | None = None  # the current round, or the last one trained; None before the first
+        self.divergence = DivergenceWatch(self.cfg.diverge_factor, self.cfg.diverge_rounds)
         self.net, self.data, self.loss_fn = net, data, loss_fn
         # where row indices into the store live: the store's device, or the host for a store kept there (HostRows)
         self.index_device: torch.device = getattr(data.x, "index_device", data.x.device)
@@ -135,7 +128,8 @@ class Federation:
         self.reduce_sum, self.rank, self.world_size, self.step_context = reduce_sum, rank, world_size, step_context
         self.gather, self._broadcast, self.resources = gather, broadcast, server
         self.store.bind_rank(rank, world_size)
-        self.set_parts(parts)
+        self.parts = list(parts)
+        self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
         self.params = [p for p in net.parameters() if p.requires_grad]
         buffers = [b for b in net.buffers()]
         self.float_buffers = [b for b in buffers if b.is_floating_point()]
@@ -159,10 +153,6 @@ class Federation:
         )
         self.runner = (vectorized.Stacked if self.cfg.vectorize else Sequential)(self)
         self._global_floats = [b.detach().clone() for b in self.float_buffers]
-
-    def set_parts(self, parts: Sequence[FederatedCallback]) -> None:
-        self.parts = list(parts)
-        self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
 
     # ------------------------------------------------------------------ the round's one collective
     def register_stat(self, name: str, like: Tensor | Sequence[Tensor]) -> None:
@@ -368,10 +358,10 @@ class Federation:
         # the store's host copies (the state it was just given): no device read per tensor
         updates = self.rnd.state_updates
         cpu = {cid: self.store.get(cid) for cid in updates}
-        for rank, updates in enumerate(self.gather(cpu)):
+        for rank, theirs in enumerate(self.gather(cpu)):
             if rank == self.rank:
                 continue
-            for cid, state in updates.items():
+            for cid, state in theirs.items():
                 # a client drawn more than once keeps its last copy's state, as on one process: copies are numbered
                 # in rank order, so a later rank's copy wins and an earlier rank's does not replace this rank's own
                 if rank > self.rank or cid not in updates:
@@ -535,5 +525,4 @@ class Federation:
             self.clock.load_state_dict(state["sim_clock"])
         if "divergence" in state:  # a checkpoint of an older flx: the initial loss is measured at the next round
             self.divergence.load_state_dict(state["divergence"])
-        if hasattr(self, "server_opt"):
-            self.server_opt.load_state_dict(self.server.optimizer)
+        self.server_opt.load_state_dict(self.server.optimizer)

@@ -5,9 +5,9 @@ so it is saved with the checkpoint). Parts are listed in the algorithm config; h
 Every hook is optional; the federation calls a hook only on the parts that override it.
 
 Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, then
-``check_federation(datamodule, fed, net)`` once the federation (its settings, its simulated system) and the net are
-built, both before anything is written into the run folder and before the Trainer exists, so a part that cannot use
-the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a step-counting part with
+``check_federation(datamodule, fed, net)`` once what the federation is built from (its settings, its simulated
+system) and the net are, both before anything is written into the run folder and before the Trainer exists, so a
+part that cannot use the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a step-counting part with
 ``local_epochs``, WHALE without simulated devices) stops the run with one line. ``metric_names()`` says which metric
 keys the part logs (what ``checkpoint.monitor`` may name; checked at build time too).
 
@@ -50,7 +50,7 @@ import numpy as np
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 
-from flx.context import ClientContext, Cohort, FederationConfig, FederationView, Round
+from flx.context import ClientContext, Cohort, FederationConfig, FederationSpec, FederationView, Round
 
 # the headline of a part that personalises (``personalize``): its clients' mean personalised metric, the task's
 # accuracy or MSE (``{split}/personal_<acc|mse>_mean``)
@@ -96,12 +96,13 @@ class FederatedCallback(Callback):
         prints anything.
         """
 
-    def check_federation(self, datamodule: Any, fed: FederationView, net: nn.Module) -> None:
+    def check_federation(self, datamodule: Any, fed: FederationSpec, net: nn.Module) -> None:
         """After :meth:`check_setup`, before anything is written and before the Trainer starts: raise a ConfigError
         for a federation or net the part cannot run on.
 
-        ``fed`` is built but not attached (``fed.cfg`` and ``fed.system`` are set; no data or net bound yet), ``net``
-        the run's model, ``datamodule`` as in :meth:`check_setup`.
+        ``fed`` is what the federation will be built from (:class:`flx.context.FederationSpec`: ``fed.cfg``,
+        ``fed.store``, ``fed.system``; no data or net bound yet), ``net`` the run's model, ``datamodule`` as in
+        :meth:`check_setup`.
         """
 
     def metric_names(self) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.determinism import cuda_determinism
 from flx.errors import ConfigError, bad_value, instantiate
-from flx.federation import Federation, FederationConfig
+from flx.federation import FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import (
     fork_ranks,
@@ -187,7 +187,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         set_threads(by_work(resolve_threads(AUTO, cfg.trainer), flops))  # 1 thread for a small step
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed_cfg = federation_config(cfg, dm.clients.num_train_clients)
-    fed = Federation(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
+    fed = FederationSpec(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
     module = FederatedModule(
         net, fed, dm.data.num_classes, dm.metric_clients(), fingerprint=fingerprint(cfg), task=task
     )
@@ -197,7 +197,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
 
 
 def check_parts(
-    cfg: DictConfig, dm: FederatedDataModule, fed: Federation, net: torch.nn.Module, task: Task, parts: list[Any]
+    cfg: DictConfig, dm: FederatedDataModule, fed: FederationSpec, net: torch.nn.Module, task: Task, parts: list[Any]
 ) -> None:
     """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
     part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``

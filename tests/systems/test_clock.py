@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import linear, run_rounds, toy_data
 
 from flx.callbacks.prox import Prox
-from flx.federation import Federation, FederationConfig
+from flx.federation import Federation, FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback
 from flx.systems.clock import SimClock
 from flx.systems.simulator import LatencySimulator
@@ -19,9 +19,9 @@ WIDTHS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
 def make(system: LatencySimulator | None, parts=(), **cfg) -> Federation:
     settings = {"clients_per_round": 4, "local_steps": 2, "batch_size": 4, "seed": 3, **cfg}
-    fed = Federation(FederationConfig(**settings), system=system)
-    fed.attach(linear(), toy_data(SIZES), F.cross_entropy, parts)
-    return fed
+    return Federation(
+        FederationSpec(FederationConfig(**settings), system=system), linear(), toy_data(SIZES), F.cross_entropy, parts
+    )
 
 
 class Scheduler(FederatedCallback):

@@ -48,7 +48,7 @@ from flx.sampling import derive_seed
 from flx.wandb_logging import ROUND, log_line_series, log_wandb, wandb_loggers
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationView, Round
+    from flx.context import ClientContext, FederationSpec, FederationView, Round
 
 _MASK_TAG, _LABEL_TAG = 0x57A1, 0x57A2
 _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches this round
@@ -123,13 +123,13 @@ class Subnetwork(FederatedCallback):
 
     # ------------------------------------------------------------------ setup
     @override
-    def check_federation(self, datamodule: Any, fed: FederationView, net: nn.Module) -> None:
+    def check_federation(self, datamodule: Any, fed: FederationSpec, net: nn.Module) -> None:
         """The aggregator, the simulated devices, a width-scalable net, a device profile per level and a level cap
         per device type: all decided by the config, checked before anything is written (and again at attach, for a
         federation built by hand)."""
         self._require(fed, net, datamodule.num_clients)
 
-    def _require(self, fed: FederationView, net: nn.Module, num_clients: int) -> None:
+    def _require(self, fed: FederationSpec | FederationView, net: nn.Module, num_clients: int) -> None:
         p = self.params
         if fed.cfg.aggregator != "count_mean":
             raise bad_value("algo.aggregator", fed.cfg.aggregator, "sub-networks need count_mean")

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from flx.faults import Diverged
-from flx.federation import Federation
+from flx.federation import Federation, FederationSpec
 from flx.hooks import FederatedCallback, overrides
 from flx.metrics.client_summary import SPREAD, spread, summarize
 from flx.metrics.dtype import logged_dtype
@@ -74,7 +74,8 @@ class FederatedModule(pl.LightningModule):
     Args:
         net: the model (maps ``(B, *input_shape)`` to the task's outputs: logits ``(B, C)``, a binary task may use
             one logit ``(B, 1)``, see :mod:`flx.models.heads`; a regression task one column per target).
-        federation: the round protocol.
+        federation: what the round protocol is built from (:class:`~flx.federation.FederationSpec`); the
+            :class:`~flx.federation.Federation` itself is built, whole, when the fit starts (``self.federation``).
         num_classes: number of classes ``C`` (0 for real-valued targets).
         num_clients: number of clients (the size of the per-client metrics), or one such size per split (``val``,
             ``test``): 0 for a split without per-client evaluation rows, whose per-client metrics are never updated
@@ -87,14 +88,16 @@ class FederatedModule(pl.LightningModule):
     def __init__(
         self,
         net: nn.Module,
-        federation: Federation,
+        federation: FederationSpec,
         num_classes: int,
         num_clients: int | Mapping[str, int],
         fingerprint: dict[str, Any] | None = None,
         task: Task | None = None,
     ) -> None:
         super().__init__()
-        self.net, self.federation, self.fingerprint = net, federation, dict(fingerprint or {})
+        self.net, self.spec, self.fingerprint = net, federation, dict(fingerprint or {})
+        self.federation: Federation | None = None  # built when the fit starts (on_fit_start), whole
+        self._restored: dict[str, Any] | None = None  # a checkpoint's federation state, loaded into it when built
         self.task = task if task is not None else Classification()
         self.automatic_optimization = False
         sizes = num_clients if isinstance(num_clients, Mapping) else dict.fromkeys(("val", "test"), num_clients)
@@ -121,7 +124,7 @@ class FederatedModule(pl.LightningModule):
             metrics.track_client_loss = tracked
         # before Lightning restores a checkpoint (after setup, before on_fit_start): a disk store must load it into
         # this rank's folder
-        self.federation.store.bind_rank(self.trainer.global_rank, self.trainer.world_size)
+        self.spec.store.bind_rank(self.trainer.global_rank, self.trainer.world_size)
 
     @override
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -137,7 +140,8 @@ class FederatedModule(pl.LightningModule):
         trainer, dm = self.trainer, self.trainer.datamodule
         dtype = next(self.net.parameters()).dtype
         parts = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)]
-        self.federation.attach(
+        self.federation = Federation(
+            self.spec,
             self.net,
             dm.clients.to(self.device, dtype),
             self.task.loss,
@@ -150,6 +154,9 @@ class FederatedModule(pl.LightningModule):
             world_size=trainer.world_size,
             step_context=trainer.precision_plugin.train_step_context,
         )
+        if self._restored is not None:
+            self.federation.load_state_dict(self._restored)
+            self._restored = None
 
     def on_train_start(self) -> None:
         # Lightning callbacks that want a tick per trained client (the progress bar's client bar): the round is one
@@ -339,5 +346,9 @@ class FederatedModule(pl.LightningModule):
         checkpoint["flx"] = {**self.federation.state_dict(), "fingerprint": self.fingerprint}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "flx" in checkpoint:
+        if "flx" not in checkpoint:
+            return
+        if self.federation is None:  # Lightning restores the module before on_fit_start builds the federation
+            self._restored = checkpoint["flx"]
+        else:
             self.federation.load_state_dict(checkpoint["flx"])
