@@ -7,9 +7,10 @@ Every hook is optional; the federation calls a hook only on the parts that overr
 Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, then
 ``check_federation(datamodule, fed, net)`` once what the federation is built from (its settings, its simulated
 system) and the net are, both before anything is written into the run folder and before the Trainer exists, so a
-part that cannot use the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a step-counting part with
-``local_epochs``, WHALE without simulated devices) stops the run with one line. ``metric_names()`` says which metric
-keys the part logs (what ``checkpoint.monitor`` may name; checked at build time too).
+part that cannot use the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a
+step-counting part with ``local_epochs``, WHALE without simulated devices) stops the run with one line.
+``metric_names()`` says which metric keys the part logs (what ``checkpoint.monitor`` may name; checked at build
+time too).
 
 ``on_attach(fed)`` runs when the federation is bound to the net and the data (fit start): a part declares its
 per-round statistics there (``fed.register_stat``), which ride in the round's one all-reduce, and creates its
