@@ -22,8 +22,9 @@ from torch import nn
 
 from flx.datamodules.datamodule import ClientStore
 from flx.faults import ClientFault, Diverged, DivergenceWatch, RoundFaults, all_finite, knob
-from flx.federation import Federation, FederationConfig, derive_seed, local_batches
+from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback
+from flx.sampling import derive_seed, local_batches
 from flx.server import ServerOptConfig, ServerOptimizer
 
 

@@ -94,7 +94,7 @@ def test_no_import_circle(annotations: bool) -> None:
 def test_the_graph_sees_known_arrows() -> None:
     """The parser finds the imports it must (a guard against a test that passes by seeing nothing)."""
     graph = import_graph()
-    assert {"flx.hooks", "flx.aggregation", "flx.autodiff"} <= graph["flx.federation"]
+    assert {"flx.hooks", "flx.aggregation", "flx.probe"} <= graph["flx.federation"]
     assert "flx.hooks" in graph["flx.callbacks.prox"]
     assert "flx.federation" not in graph["flx.hooks"]
     assert "flx.federation" in import_graph(annotations=True)["flx.loop"]  # only for annotations

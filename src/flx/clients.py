@@ -8,7 +8,8 @@ same client on either path:
 - :meth:`ClientRunner.step_rows`: each step's rows, the one minibatch dispatch (a part's ``sample_batch``, else the
   client's default stream ``fed.client_batches``);
 - :func:`flx.local_sgd.sgd_update`: the one step rule (``torch.optim.SGD``'s update, bitwise);
-- ``fed.collect``: the client's end (``on_client_end``, the fault checks, the aggregate, the stored state).
+- :meth:`ClientRunner.collect`: the client's end (``on_client_end``, the fault checks, the aggregate, the stored
+  state).
 
 The sequential steps run one loop, with the per-step client context (``client.step``, ``.rows``, ``.batch``,
 ``.outputs``) and the step hooks only when a part hooks a step; docs/round_protocol.md, step 4.
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from flx.context import ClientContext, Core
+from flx.faults import all_finite
 from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 from flx.sampling import derive_seed
 
@@ -85,16 +87,45 @@ class ClientRunner:
 
     def train_client(self, cid: int) -> Tensor | None:
         """Local training of one client alone, from the global model; adds its weighted model to the round's
-        aggregate (``fed.collect``). Returns the mean local training loss (detached scalar), or None for a client left
+        aggregate (:meth:`collect`). Returns the mean local training loss (detached scalar), or None for a client left
         out (skipped for too few rows, or dropped as not finite: docs/round_protocol.md)."""
         fed = self.fed
         if fed.num_samples(cid) < fed.min_rows:  # empty, or one row with BatchNorm: nothing to train on
-            return fed.collect(cid, None, None)
+            return self.collect(cid, None, None)
         fed.load_global()
         if not fed.net.training:  # evaluation and parts switch the whole net (its root) to eval and back
             fed.net.train()
         client = self.start(cid)
-        return fed.collect(cid, client, self.local_update(client))
+        return self.collect(cid, client, self.local_update(client))
+
+    def collect(self, cid: int, client: ClientContext | None, loss: Tensor | None) -> Tensor | None:
+        """A client's end, with its local model in the net: ``on_client_end``, the fault checks, the aggregate
+        (``fed.buffer``), the stored state; ``client`` None: skipped for too few rows. Returns ``loss``, or None for a
+        client left out."""
+        fed = self.fed
+        if client is None:
+            return self._leave_out(cid, "skipped")
+        # checked before on_client_end, so parts do not record a faulty client's statistics (scores, losses), and
+        # after it when parts may have changed the upload
+        if not all_finite([*fed.local_state, loss]):
+            return self._leave_out(cid, "dropped")
+        ends = fed.parts_with("on_client_end")
+        for part in ends:
+            part.on_client_end(fed, client)
+        if ends and not all_finite(fed.local_state):
+            return self._leave_out(cid, "dropped")
+        fed.buffer.add(fed.local_state, client.weight, client.masks, loss)
+        if client.state:
+            fed.store.put(cid, client.state)
+            if fed.world_size > 1:  # for the all-gather at the round end (one process holds no second copy)
+                fed.rnd.state_updates[cid] = client.state
+            fed.buffer.count("stored")
+        return loss
+
+    def _leave_out(self, cid: int, why: str) -> None:
+        """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
+        self.fed.rnd.left_out[why].append(cid)
+        self.fed.buffer.count(why)
 
     def local_update(self, client: ClientContext) -> Tensor:
         """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""

@@ -348,10 +348,10 @@ class FederationView(Protocol):
 
 class Core(FederationView, Protocol):
     """What the client runners (:mod:`flx.clients`, :mod:`flx.vectorized`) use of the federation besides the parts'
-    door: the least rows a client trains on, loading ``w^t`` into the net, and a client's end."""
+    door: the least rows a client trains on, loading ``w^t`` into the net, and the round's buffer
+    (:class:`flx.round_buffer.RoundBuffer`) a client's end adds to."""
 
     min_rows: int
+    buffer: Any
 
     def load_global(self) -> None: ...
-
-    def collect(self, cid: int, client: ClientContext | None, loss: Tensor | None) -> Tensor | None: ...

@@ -82,7 +82,7 @@ def _active(module: nn.Module) -> bool:
 
 class Stacked(ClientRunner):
     """The shard trained as stacked cohorts (clients with the same step count together); then, per client in shard
-    order and with the client's model in the net, its end (``fed.collect``) and ``after(cid)``."""
+    order and with the client's model in the net, its end (:meth:`ClientRunner.collect`) and ``after(cid)``."""
 
     def train(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
         fed = self.fed
@@ -110,12 +110,12 @@ class Stacked(ClientRunner):
             trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
         for j, (cid, client) in enumerate(runs):
             if client is None:
-                fed.collect(cid, None, None)
+                self.collect(cid, None, None)
             else:
                 local, loss = trained[j]
                 with torch.no_grad():
                     torch._foreach_copy_(fed.params, local)
-                fed.collect(cid, client, loss)
+                self.collect(cid, client, loss)
             if after is not None:
                 after(cid)
 

@@ -14,7 +14,7 @@ from flx.callbacks.lambda_sampling import _EVAL_SET_TAG, _SNAPSHOT_TAG, LambdaSa
 from flx.callbacks.prox import Prox
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
-from flx.federation import derive_seed
+from flx.sampling import derive_seed
 
 SEED = 0
 
