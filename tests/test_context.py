@@ -19,7 +19,7 @@ from flx.hooks import FederatedCallback
 from flx.sampling import number_copies
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flx"
-PARTS = sorted((SRC / "callbacks").glob("*.py"))
+PARTS = sorted((SRC / "parts").glob("*.py"))
 BEHIND_THE_DOOR = [SRC / f"{name}.py" for name in ("hooks", "evaluation")]
 RUNNERS = [SRC / "clients.py", SRC / "vectorized.py"]
 
@@ -65,7 +65,7 @@ def test_client_runners_use_only_core(path: Path) -> None:
 
 def test_the_scan_sees_what_parts_use() -> None:
     """A guard against a door test that passes by seeing nothing: known uses are found, a made-up one is refused."""
-    assert {"register_stat", "stat", "global_params"} <= set(used(SRC / "callbacks" / "qffl.py"))
+    assert {"register_stat", "stat", "global_params"} <= set(used(SRC / "parts" / "qffl.py"))
     assert {"buffer", "min_rows", "load_global"} <= set(used(SRC / "clients.py"))
     assert "server_opt" not in members(FederationView) and "buffer" not in members(FederationView)
     assert "buffer" in members(Core)

@@ -2,7 +2,7 @@
 
 McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data", AISTATS 2017
 (FedAvg, Algorithm 1), with the server step of Reddi et al. (ICLR 2021) and the parts of
-:mod:`flx.callbacks`.
+:mod:`flx.parts`.
 
 .. math::
     w_i^{t,k+1} = w_i^{t,k} - \\eta\\, \\nabla \\ell_i(w_i^{t,k}; \\xi_i^{t,k}),\\quad k = 0..K-1,

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, run_rounds, toy_data
 from least_squares import f64, flat, grad, l1, loss, mse, prox, regression
 
-from flx.callbacks.client_loss import client_train_losses
-from flx.callbacks.fbe import FBE
-from flx.callbacks.objective import Objective, composite_objective, personal_objective, personal_terms, split_objective
-from flx.callbacks.personal_model import PersonalModel
 from flx.datamodules.client_eval import ClientRows
+from flx.parts.client_loss import client_train_losses
+from flx.parts.fbe import FBE
+from flx.parts.objective import Objective, composite_objective, personal_objective, personal_terms, split_objective
+from flx.parts.personal_model import PersonalModel
 from flx.regularizers import make_regularizer
 
 

@@ -11,9 +11,9 @@ import torch
 from helpers import linear, make_fed, raises_one_line, run_rounds
 from least_squares import f64, flat, grad, mse, regression, xt
 
-from flx.callbacks.personal_model import PersonalModel
-from flx.callbacks.prox import Prox
 from flx.datamodules.client_eval import ClientRows
+from flx.parts.personal_model import PersonalModel
+from flx.parts.prox import Prox
 
 
 def test_global_model_is_fedavgs_personalised_model() -> None:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import make_fed, toy_data
 
-from flx.callbacks.structure import Structure
 from flx.hooks import FederatedCallback
+from flx.parts.structure import Structure
 
 f64 = torch.float64
 

@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.callbacks.client_loss import client_train_losses
 from flx.hooks import FederatedCallback
+from flx.parts.client_loss import client_train_losses
 from flx.regularizers import Regularizer, make_regularizer
 
 if TYPE_CHECKING:

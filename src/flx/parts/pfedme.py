@@ -19,7 +19,7 @@ experiments, the identity for :math:`h = 0`.
 The evaluated personal model (``personal``): ``optimum`` (the default) is the paper's :math:`\theta_i(w)` of Eqs.
 2-3 at the current global model, the inner problem solved on the client's training rows to ``personal_tol`` (relative
 gradient-mapping norm, null: the dtype's default) in at most ``personal_max_steps`` iterations
-(:func:`flx.callbacks.moreau.moreau_solve`; a warning, once, when a client reaches the cap), memoised per client for
+(:func:`flx.parts.moreau.moreau_solve`; a warning, once, when a client reaches the cap), memoised per client for
 as long as the global model is unchanged (the evaluation, the structure metrics and the objective ask for the same
 model; the memo is a pure function of :math:`w`, kept on the CPU, dropped when :math:`w` changes). ``stored`` is the
 last local step's :math:`\theta` of the client's last round (kept in ``client.state`` on the CPU store, never as
@@ -42,11 +42,11 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.callbacks.fbe import as_regularizer, full_grad
-from flx.callbacks.moreau import default_tol, moreau_solve
-from flx.callbacks.personal_model import install, keep, stored
 from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
+from flx.parts.fbe import as_regularizer, full_grad
+from flx.parts.moreau import default_tol, moreau_solve
+from flx.parts.personal_model import install, keep, stored
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class PFedMeParams:
     personal_lr: float = 0.09
     inner_steps: int = 5
     personal: str = "optimum"
-    personal_tol: float | None = None  # None: flx.callbacks.moreau.default_tol of the parameters' dtype
+    personal_tol: float | None = None  # None: flx.parts.moreau.default_tol of the parameters' dtype
     personal_max_steps: int = 1000
 
 
@@ -85,7 +85,7 @@ def inner_solve(
 
 class PFedMe(FederatedCallback):
     """pFedMe's local update (``local_update``) and personal model (``personalize``); ``regularizer`` as in
-    :class:`~flx.callbacks.fbe.FBE` (None: :math:`h = 0`, pFedMe as published)."""
+    :class:`~flx.parts.fbe.FBE` (None: :math:`h = 0`, pFedMe as published)."""
 
     headline = PERSONAL_HEADLINE
 

@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from helpers import make_fed, raises_one_line, run_rounds
 from torch import nn
 
-from flx.callbacks import whale_utility as wu
-from flx.callbacks.lambda_sampling import LambdaSampling
-from flx.callbacks.prox import Prox
-from flx.callbacks.subnetwork import MAX_LEVELS, Subnetwork
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.models.scalable import ScalableCNN, StaticBatchNorm2d, rebuild_bn_stats
 from flx.models.width import masks_from_indices, width_masks
+from flx.parts import whale_utility as wu
+from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.prox import Prox
+from flx.parts.subnetwork import MAX_LEVELS, Subnetwork
 from flx.systems.simulator import LatencySimulator
 
 SYSTEM = dict(
@@ -271,9 +271,9 @@ def test_a_client_of_the_masked_lm_trains_the_extracted_small_lm(extractor: str)
     hands the sub-model's index sets to ``set_width`` (masked LayerNorm, the sub-model's softmax scale), so the merged
     model's slices are those of an independent small LM (``embed 4``, 2 heads of 2, ``ffn 6``) after the same step on
     the same rows, and every entry outside them is unchanged (count mean, one client)."""
-    from flx.callbacks.subnetwork import _MASK_TAG
     from flx.models.scalable_lm import ScalableTransformerLM
     from flx.models.width import extract_state, local_entries, width_indices
+    from flx.parts.subnetwork import _MASK_TAG
     from flx.sampling import derive_seed
     from flx.tasks import MaskedLM
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flx.callbacks import whale_utility as wu
 from flx.models.scalable import ScalableCNN
 from flx.models.scalable_lm import ScalableTransformerLM
 from flx.models.width import apply_masks, local_entries, masks_from_indices, width_indices
+from flx.parts import whale_utility as wu
 from flx.tasks import MaskedLM
 
 

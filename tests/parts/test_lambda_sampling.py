@@ -10,10 +10,10 @@ from helpers import linear, make_fed, run_rounds
 from torch import nn
 
 from flx import simplex
-from flx.callbacks.lambda_sampling import _EVAL_SET_TAG, _SNAPSHOT_TAG, LambdaSampling
-from flx.callbacks.prox import Prox
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
+from flx.parts.lambda_sampling import _EVAL_SET_TAG, _SNAPSHOT_TAG, LambdaSampling
+from flx.parts.prox import Prox
 from flx.sampling import derive_seed
 
 SEED = 0

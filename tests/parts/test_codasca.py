@@ -7,10 +7,10 @@ import torch
 from helpers import binary_store, linear, make_fed, run_rounds
 from torch import nn
 
-from flx.callbacks.codasca import Codasca
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.losses import aucm
+from flx.parts.codasca import Codasca
 
 
 def _data(pos: list[int], neg: list[int]) -> ClientStore:

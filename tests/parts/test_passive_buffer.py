@@ -9,12 +9,12 @@ import torch
 from helpers import binary_store, linear, make_fed, params, raises_one_line, run_rounds
 from torch import nn
 
-from flx.callbacks.client_noise import ClientNoise
-from flx.callbacks.passive_buffer import PassiveBuffer
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.losses import xrisk
 from flx.models import heads
+from flx.parts.client_noise import ClientNoise
+from flx.parts.passive_buffer import PassiveBuffer
 
 
 def _binary_data(pos: list[int], neg: list[int], dim: int = 4) -> ClientStore:

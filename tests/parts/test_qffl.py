@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import Tensor, nn
 
-from flx.callbacks.qffl import QFFL, qffl_terms
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
+from flx.parts.qffl import QFFL, qffl_terms
 
 f64 = torch.float64
 

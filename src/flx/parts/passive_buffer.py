@@ -48,11 +48,11 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.aggregation import flat_views
-from flx.callbacks.client_noise import ClientNoise
 from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
 from flx.losses import xrisk
 from flx.models import heads
+from flx.parts.client_noise import ClientNoise
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ the global meta-model :math:`\theta^t`, on its support set :math:`S` and query s
 with :math:`\delta_t = 1 / (10 t + 100)` (``delta_scale`` = 10, ``delta_offset`` = 100) and :math:`w_i = D_i /
 \sum_j D_j` over the training clients (``client_weight=samples``, the authors' code; ``uniform``: :math:`1/N`). The
 client uploads :math:`u_i = y_i + \rho \theta_i` with weight :math:`\rho` and ``algo.aggregator=admm_sum`` forms
-:math:`\sum_i u_i / \sum_i \rho` (Eq. 13 without the regulariser; :class:`~flx.callbacks.pm_regularizer.PMRegularizer`
+:math:`\sum_i u_i / \sum_i \rho` (Eq. 13 without the regulariser; :class:`~flx.parts.pm_regularizer.PMRegularizer`
 subtracts :math:`\lambda G^t / \sum_i \rho`). The dual :math:`y_i` (zeros at first, Alg. 1 step 1) and the client's
 round counter live in ``client.state`` (the CPU / disk store, checkpointed), never on the accelerator.
 
@@ -45,9 +45,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.autodiff import HVP_MODES
-from flx.callbacks.personal_model import from_state, keep
 from flx.errors import bad_value
 from flx.hooks import FederatedCallback
+from flx.parts.personal_model import from_state, keep
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, FederationView

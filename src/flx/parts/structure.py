@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.callbacks.logged import LoggedMetrics
 from flx.datamodules.pfedfbe_data import client_truth
 from flx.errors import bad_value
 from flx.metrics.sparse import THRESHOLD, numerical_rank, recovery_error, support_scores
+from flx.parts.logged import LoggedMetrics
 
 if TYPE_CHECKING:
     from flx.context import FederationConfig, FederationView

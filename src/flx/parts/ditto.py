@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.callbacks.fbe import as_regularizer
-from flx.callbacks.personal_model import from_state, install, keep, stored
 from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
+from flx.parts.fbe import as_regularizer
+from flx.parts.personal_model import from_state, install, keep, stored
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class DittoParams:
 
 class Ditto(FederatedCallback):
     """Ditto's personal models: one proximal step on :math:`v_i` per local step (``on_local_step_end``), kept in the
-    state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.callbacks.fbe.FBE`."""
+    state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.parts.fbe.FBE`."""
 
     headline = PERSONAL_HEADLINE
 

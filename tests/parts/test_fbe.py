@@ -14,11 +14,11 @@ from helpers import linear, make_fed, raises_one_line, run_rounds
 from least_squares import f64, flat, grad, hess, l1, loss, mse, prox, regression
 from torch import Tensor
 
-from flx.callbacks.fbe import _HAT_TAG, _PERSONAL_TAG, FBE, fbe_gradient, fbe_objective, fbe_value
-from flx.callbacks.lambda_sampling import LambdaSampling
-from flx.callbacks.prox import Prox
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
+from flx.parts.fbe import _HAT_TAG, _PERSONAL_TAG, FBE, fbe_gradient, fbe_objective, fbe_value
+from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.prox import Prox
 from flx.sampling import SAMPLE_TAG, derive_seed, local_batches
 
 

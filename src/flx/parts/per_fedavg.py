@@ -14,7 +14,7 @@ and the server averages (``algo.aggregator=mean``). ``hessian``: ``none`` is Per
 double-backward product. On few-shot clients (``partition=few_shot``) :math:`\mathcal D = \mathcal D''` is the support
 set and :math:`\mathcal D'` the query set, full batch, as AugFL's clients use them (the paper draws three independent
 minibatches; with 10-40 rows a client, full batches are the natural reading). Evaluation: one step of :math:`\alpha`
-on the support set (:class:`~flx.callbacks.adapt.Adapt`).
+on the support set (:class:`~flx.parts.adapt.Adapt`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.autodiff import HVP_MODES
-from flx.callbacks.meta_update import maml_gradient
 from flx.errors import bad_value
 from flx.hooks import FederatedCallback
+from flx.parts.meta_update import maml_gradient
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, FederationView

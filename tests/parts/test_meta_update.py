@@ -14,11 +14,11 @@ from least_squares import f64, flat, grad, hess, mse, regression
 from least_squares import loss as ls_loss
 from torch import nn
 
-from flx.callbacks.adapt import Adapt
-from flx.callbacks.meta_update import _Y, MetaUpdate, maml_gradient
-from flx.callbacks.per_fedavg import PerFedAvg
-from flx.callbacks.pm_regularizer import PMRegularizer
 from flx.datamodules.datamodule import ClientStore
+from flx.parts.adapt import Adapt
+from flx.parts.meta_update import _Y, MetaUpdate, maml_gradient
+from flx.parts.per_fedavg import PerFedAvg
+from flx.parts.pm_regularizer import PMRegularizer
 from flx.resources import ServerResources
 
 SIZES = [8, 6, 10]

@@ -14,8 +14,8 @@ import torch
 from helpers import linear, make_fed, raises_one_line, run_rounds, toy_data
 from torch import Tensor
 
-from flx.callbacks.prox_step import DualAveraging, ProxStep
 from flx.context import FederationConfig
+from flx.parts.prox_step import DualAveraging, ProxStep
 from flx.server import ServerOptConfig
 
 SIZES = [11, 7, 15]

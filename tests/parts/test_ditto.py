@@ -12,9 +12,9 @@ import torch
 from helpers import linear, make_fed, raises_one_line, run_rounds
 from least_squares import f64, flat, grad, l1, mse, prox, regression
 
-from flx.callbacks.ditto import Ditto
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
+from flx.parts.ditto import Ditto
 from flx.sampling import derive_seed, local_batches
 
 
