@@ -19,7 +19,7 @@ from flx.config import precheck
 from flx.datamodules.client_eval import ClientRows
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 from flx.run import build
 
 f64 = torch.float64

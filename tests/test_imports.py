@@ -92,6 +92,41 @@ def test_no_import_circle(annotations: bool) -> None:
             visit(node)
 
 
+FLOORS = (
+    # 0: tools and maths that know no round
+    "flx errors choices console determinism threads resume resource_spec checkpoint_spec server state systems sampling"
+    " local_sgd autodiff simplex regularizers losses metrics aggregation checkpoint_io wandb_files wandb_logging launch"
+    " signals run_folder loggers",
+    # 1: data, models, tasks, and the types of the round protocol
+    "models datamodules task_spec tasks resources context",
+    # 2: the round's pieces, and the parts that plug into them
+    "hooks faults round_buffer probe evaluation clients vectorized parts",
+    # 3: the orchestrator
+    "federation",
+    # 4: Lightning: the loop, the module, the process callbacks
+    "loop module callbacks",
+    # 5: composition: the pre-run check, the composition root, the command line
+    "config run cli",
+)
+"""docs/architecture.md, "The floors": a module imports only from its own floor or below (a package: all its modules
+on one floor)."""
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else "flx"
+    for level, names in enumerate(FLOORS):
+        if name in names.split():
+            return level
+    raise AssertionError(f"{module}: on no floor of tests/test_imports.py FLOORS")
+
+
+def test_no_import_runs_up_a_floor() -> None:
+    graph = import_graph()
+    up = sorted((a, b) for a, targets in graph.items() for b in targets if floor_of(b) > floor_of(a))
+    assert not up, f"imports that run up a floor at run time: {up}"
+
+
 def test_the_graph_sees_known_arrows() -> None:
     """The parser finds the imports it must (a guard against a test that passes by seeing nothing)."""
     graph = import_graph()
@@ -100,3 +135,4 @@ def test_the_graph_sees_known_arrows() -> None:
     assert "flx.federation" not in graph["flx.hooks"]
     assert "flx.federation" in import_graph(annotations=True)["flx.loop"]  # only for annotations
     assert "flx.federation" not in graph["flx.loop"]
+    assert floor_of("flx.parts.prox") == 2 < floor_of("flx.federation") < floor_of("flx.module") < floor_of("flx.run")

@@ -384,7 +384,7 @@ def test_metric_names_cover_what_a_run_logs(tmp_path: Path, default_run) -> None
     """The default run's logged val/ and train/ columns are exactly what metric_names announced at build time."""
     import csv
 
-    from flx.models.module import metric_names
+    from flx.module import metric_names
     from flx.run import build
 
     dm, module, trainer = build(precheck([f"paths.output_dir={tmp_path}"]))

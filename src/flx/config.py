@@ -17,6 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from flx.checkpoint_spec import check_checkpoint
+from flx.choices import AGGREGATORS, CLIENT_EVAL, DUPLICATES, FAULT_POLICIES, MINIBATCH, MODEL_INITS, SINGLE_ROW_BATCH
 from flx.errors import ConfigError, bad_value
 from flx.launch import run_name, shared_run_name, slurm_job_id
 from flx.resource_spec import SERVER_MODELS, check_server
@@ -260,16 +262,6 @@ def _check_added_keys(overrides: Sequence[str], cfg: DictConfig, config_dir: str
         raise ConfigError(f"+{key}={value}: nothing reads {key}, so it would be ignored{hint}")
 
 
-def data_protocol(cfg: DictConfig) -> Any:
-    """The :class:`~flx.datamodules.protocol.DataProtocol` of ``data.*`` (defaults where a data config lacks a key)."""
-    from flx.datamodules.protocol import DataProtocol
-
-    d = cfg.data
-    defaults = {"val_fraction": 0.0, "split_seed": 0, "split_file": None, "standardize": True, "server_fraction": 0.0}
-    defaults["standardize_target"] = False
-    return DataProtocol(**{k: d.get(k, v) for k, v in defaults.items()})
-
-
 def _check_partition(cfg: DictConfig) -> None:
     """Builds the partitioner (cheap, no data) so that its parameter checks run before the run starts."""
     from hydra.errors import InstantiationException
@@ -437,38 +429,9 @@ def _check_ckpt(cfg: DictConfig) -> None:
     check_ckpt(cfg, str(path))
 
 
-def check_checkpoint(
-    every_rounds: Any,
-    every_seconds: Any,
-    keep_last: Any,
-    mode: Any,
-    requeue: Any,
-    requeue_signal: Any,
-    min_seconds: Any = None,
-) -> None:
-    """The ``checkpoint.*`` values (:class:`flx.callbacks.checkpoint.RoundCheckpoint`); one line per bad value."""
-    import signal
-
-    for key, value in (("every_rounds", every_rounds), ("keep_last", keep_last)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise bad_value(f"checkpoint.{key}", value, "must be an integer >= 1 or null")
-    ok = isinstance(every_seconds, (int, float)) and not isinstance(every_seconds, bool) and every_seconds > 0
-    if every_seconds is not None and not ok:
-        raise bad_value("checkpoint.every_seconds", every_seconds, "must be a number > 0 or null")
-    ok = isinstance(min_seconds, (int, float)) and not isinstance(min_seconds, bool) and 0 <= min_seconds < math.inf
-    if min_seconds is not None and not ok:
-        raise bad_value("checkpoint.min_seconds", min_seconds, "must be a number >= 0 or null (0: every due round)")
-    if mode not in ("max", "min"):
-        raise bad_value("checkpoint.mode", mode, "allowed: max, min")
-    if str(requeue).lower() not in ("auto", "true", "false"):
-        raise bad_value("checkpoint.requeue", requeue, "allowed: auto, true, false")
-    if not str(requeue_signal).startswith("SIG") or not hasattr(signal, str(requeue_signal)):
-        raise bad_value("checkpoint.requeue_signal", requeue_signal, "must name a signal, e.g. SIGUSR1")
-
-
 def check_monitor(monitor: str | None, logged: tuple[str, ...]) -> None:
     """Raises one line unless ``monitor`` (``checkpoint.monitor`` of :class:`flx.callbacks.checkpoint.RoundCheckpoint`)
-    is among the keys the run will log: ``logged``, names or ``*`` patterns (:func:`flx.models.module.metric_names`).
+    is among the keys the run will log: ``logged``, names or ``*`` patterns (:func:`flx.module.metric_names`).
     At build time, before anything is written: a name the run never logs would otherwise be found at the end of the
     first validated round."""
     if monitor is None or any(fnmatch.fnmatchcase(monitor, name) for name in logged):
@@ -556,22 +519,6 @@ def _check_threads(cfg: DictConfig) -> None:
             f"allowed: auto (this process's share of the cores it may use), null (torch's default) or an integer "
             f"from 1 to {max_threads()} ({THREADS_PER_CORE} per CPU core of this machine)",
         )
-
-
-CLIENT_EVAL = ("holdout", "test_labels", "test_group")
-"""What a client's accuracy is measured on (``client_eval``); see ``FederatedDataModule``."""
-MODEL_INITS = ("default", "zeros")
-"""Starting weights (``model.init``); see :mod:`flx.models.init`."""
-FAULT_POLICIES = ("drop", "stop")
-"""What a client with a non-finite loss or update does to the round (``fault.policy``); see docs/round_protocol.md."""
-SINGLE_ROW_BATCH = ("auto", "drop", "keep")
-"""Local minibatches of one row (``algo.single_row_batch``); see :func:`flx.federation.local_batches`."""
-DUPLICATES = ("multiplicity", "repeat")
-"""How a client drawn ``k`` times in one cohort trains (``algo.duplicates``); see :class:`flx.federation.Federation`."""
-AGGREGATORS = ("mean", "count_mean", "admm_sum")
-"""``algo.aggregator``: :data:`flx.aggregation.AGGREGATORS` (named here so the precheck imports no torch)."""
-MINIBATCH = ("epochs", "fresh")
-"""``algo.minibatch``: :data:`flx.sampling.MINIBATCH_STREAMS` (named here so the precheck imports no torch)."""
 
 
 def validate(cfg: DictConfig) -> None:

@@ -22,10 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx import loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
-from flx.config import check_monitor, data_protocol, one_line, validate
+from flx.config import check_monitor, one_line, validate
 from flx.console import final_line, headline
 from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
+from flx.datamodules.protocol import data_protocol
 from flx.determinism import cuda_determinism
 from flx.errors import ConfigError, bad_value, instantiate
 from flx.federation import FederationConfig, FederationSpec
@@ -42,7 +43,7 @@ from flx.launch import (
     threads_until_fork,
 )
 from flx.models.build import net_from_config as build_net
-from flx.models.module import FederatedModule, metric_names
+from flx.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig

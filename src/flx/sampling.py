@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flx import choices
+
 SAMPLE_TAG = 0x5A  # distinguishes the cohort stream from client streams in the seed sequence
 
 
@@ -255,5 +257,6 @@ def fresh_batches(
 
 BatchStream = Callable[[Rows, int, int, torch.Generator, int], Iterator[Tensor]]
 """``stream(indices, batch_size, steps, gen, min_rows)``: a client's ``steps`` minibatches (row indices)."""
-MINIBATCH_STREAMS: dict[str, BatchStream] = {"epochs": local_batches, "fresh": fresh_batches}
-"""``algo.minibatch``: how a client's local minibatches are drawn (:func:`local_batches`, :func:`fresh_batches`)."""
+MINIBATCH_STREAMS: dict[str, BatchStream] = dict(zip(choices.MINIBATCH, (local_batches, fresh_batches), strict=True))
+"""``algo.minibatch``: how a client's local minibatches are drawn (:func:`local_batches`, :func:`fresh_batches`); the
+names are :data:`flx.choices.MINIBATCH`."""

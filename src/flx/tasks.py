@@ -1,7 +1,7 @@
 r"""Tasks: what the net's outputs are scored against, in training (the loss) and in evaluation (the metrics).
 
 A task is the ``task=`` config group (``configs/task/``), built with Hydra's ``instantiate`` by :func:`flx.run.build`
-and handed to :class:`~flx.models.module.FederatedModule`. It gives
+and handed to :class:`~flx.module.FederatedModule`. It gives
 
 - ``loss(outputs, target)``: the batch-mean loss. The federation's local steps minimise it (``loss_fn``, also
   ``Federation.eval_loss``) and evaluation logs its mean over a split's rows as ``{split}/loss``;

@@ -22,7 +22,7 @@ from helpers import linear, make_fed, run_rounds
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.datamodules.partitioners import IID
 from flx.datamodules.store import TensorData
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 
 ROWS = 1_000_000
 MANY = 1_000_000

@@ -13,7 +13,7 @@ from torch import nn
 from flx.federation import FederationConfig, FederationSpec
 from flx.models.build import net_from_config
 from flx.models.frozen import load_frozen
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 
 MLP = {"_target_": "flx.models.nets.MLP", "hidden": [16], "dropout": 0.5}
 RESNET = {"_target_": "flx.models.timm_factory.timm_net", "name": "test_resnet"}  # tiny, with BatchNorm
