@@ -106,7 +106,7 @@ FLOORS = (
     # 4: Lightning: the loop, the module, the process callbacks
     "loop module callbacks",
     # 5: composition: the pre-run check, the composition root, the command line
-    "config run cli",
+    "config checks run cli",
 )
 """docs/architecture.md, "The floors": a module imports only from its own floor or below (a package: all its modules
 on one floor)."""

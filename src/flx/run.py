@@ -22,13 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx import loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
-from flx.config import check_monitor, one_line, validate
+from flx.checks import check_monitor, validate
 from flx.console import final_line, headline
 from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.datamodules.protocol import data_protocol
 from flx.determinism import cuda_determinism
-from flx.errors import ConfigError, bad_value, instantiate
+from flx.errors import ConfigError, bad_value, instantiate, one_line
 from flx.federation import FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import (
@@ -202,7 +202,7 @@ def check_parts(
 ) -> None:
     """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
     part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
-    against the keys the task and parts log (:func:`flx.config.check_monitor`)."""
+    against the keys the task and parts log (:func:`flx.checks.check_monitor`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
     for part in fed_parts:
         part.check_setup(dm, fed.cfg)
