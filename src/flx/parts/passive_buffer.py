@@ -52,8 +52,8 @@ from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
 from flx.losses import xrisk
 from flx.models import heads
+from flx.parts import fedxl_pools
 from flx.parts.client_noise import ClientNoise
-from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, FederationView, Round
@@ -66,7 +66,6 @@ CHOICES = {
     "init_pools": ("minibatch", "clean_pass"),
     "momentum_sync": ("server", "client"),
 }
-_H0_TAG = 0x4830  # the (seed, 0, client, tag) stream of the round-1 pools' minibatches and noise
 KEYS = ("pos", "u", "neg")  # a pool's entries: positive scores H_1, their u values U, negative scores H_2
 # registered statistics: per-client pool slots (KEYS, then a presence flag per client), the momentum sum and count
 _POOLS, _MOMENTUM = "fedxl/pools", "fedxl/momentum"
@@ -169,50 +168,12 @@ class PassiveBuffer(FederatedCallback):
     @override
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         if not self.pools and self.params.pairs == "passive":
-            first = self._minibatch_pool if self.params.init_pools == "minibatch" else self._initial_pool
-            self.pools = [first(fed)]
+            if self.params.init_pools == "minibatch":
+                noise = [q for q in fed.parts if isinstance(q, ClientNoise)]
+                self.pools = [fedxl_pools.minibatch_pool(fed, self.score, self.params, noise)]
+            else:
+                self.pools = [fedxl_pools.initial_pool(fed, self.score, self.params.u0)]
         self._merged = {k: torch.cat([pool[k] for pool in self.pools]) for k in KEYS} if self.pools else {}
-
-    @torch.no_grad()
-    def _initial_pool(self, fed: FederationView) -> dict[str, Tensor]:
-        """``H^0``: scores of every training sample under ``w^0`` (identical on every rank, no collective)."""
-        rows = torch.cat(list(fed.data.client_indices[: fed.num_clients]))  # the training clients
-        scores = torch.cat([self.score(fed.net(fed.data.x[r])) for r in rows.split(4096)]).cpu()
-        pos = fed.data.y[rows].cpu() == 1
-        return {"pos": scores[pos], "u": torch.full((int(pos.sum()),), self.params.u0), "neg": scores[~pos]}
-
-    @torch.no_grad()
-    def _minibatch_pool(self, fed: FederationView) -> dict[str, Tensor]:
-        """``H^0``, ``U^0``: each client scores ``K`` minibatches under ``w^0`` as in its local steps, no update.
-
-        Minibatches come from ``_pick`` and the inputs go through the input noise of the run's ``ClientNoise`` parts
-        (``register_input_hook``), all drawn from a ``(seed, 0, client)`` stream, in train mode as the
-        local steps; every rank computes the same pools. The net's buffers may move (BatchNorm statistics), but
-        clients load the round's snapshot and the server step overwrites them.
-        """
-        p, gen, was_training = self.params, torch.Generator(), fed.net.training
-        hooks = [q for q in fed.parts if isinstance(q, ClientNoise)]
-        dev = fed.params[0].device
-        scores: dict[str, list[Tensor]] = {"pos": [], "neg": []}
-        fed.net.train()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # dropout off the global stream
-            for cid, rows in enumerate(fed.data.client_indices[: fed.num_clients]):
-                seed = derive_seed(fed.cfg.seed, 0, cid, _H0_TAG)
-                gen.manual_seed(seed)
-                torch.manual_seed(seed)
-                handles = [q.register_input_hook(fed.net, cid, gen) for q in hooks]
-                pos, neg = self._split(fed, rows)
-                for _ in range(fed.client_steps(cid)):
-                    at = [self._pick(pos, p.b1, gen).to(pos.device), self._pick(neg, p.b2, gen).to(neg.device)]
-                    batch = torch.cat([pos[at[0]], neg[at[1]]])
-                    h = self.score(fed.net(fed.data.x[batch])).double()  # (B1 + B2,), to the host once, below
-                    scores["pos"].append(h[: p.b1])
-                    scores["neg"].append(h[p.b1 :])
-                for handle in handles:
-                    handle.remove()
-        fed.net.train(was_training)
-        pos = torch.cat(scores["pos"]).cpu()
-        return {"pos": pos, "u": torch.full_like(pos, p.u0), "neg": torch.cat(scores["neg"]).cpu()}
 
     @override
     def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
@@ -237,12 +198,6 @@ class PassiveBuffer(FederatedCallback):
     def _numel(fed: FederationView) -> int:
         return sum(p.numel() for p in fed.params)
 
-    @staticmethod
-    def _split(fed: FederationView, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """A client's rows: its positives, its negatives."""
-        is_pos = (fed.data.y[rows] == 1).to(rows.device)  # a no-op unless the store is kept on the host
-        return rows[is_pos], rows[~is_pos]
-
     def _start_momentum(self, fed: FederationView, client: ClientContext) -> Tensor:
         """``m`` at the round's first step: the server mean ``G_bar``, or the client's own (``momentum_sync``)."""
         if self.params.momentum_sync == "client" and "m" in client.state:
@@ -253,7 +208,7 @@ class PassiveBuffer(FederatedCallback):
 
     @override
     def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
-        pos, neg = self._split(fed, fed.data.client_indices[client.cid])
+        pos, neg = fedxl_pools.split(fed, fed.data.client_indices[client.cid])
         if not len(pos) or not len(neg):
             raise RuntimeError(f"FeDXL: client {client.cid} needs both positives and negatives")
         u = client.state.get("u", torch.full((len(pos),), self.params.u0, dtype=torch.float64))
@@ -273,14 +228,9 @@ class PassiveBuffer(FederatedCallback):
             return None
         g, steps = client.generator, client.num_steps
         return {
-            "pos": self._shuffled(len(self._merged["pos"]), steps * (p.p1 or p.b1), g),
-            "neg": self._shuffled(len(self._merged["neg"]), steps * (p.p2 or p.b2), g),
+            "pos": fedxl_pools.shuffled(len(self._merged["pos"]), steps * (p.p1 or p.b1), g),
+            "neg": fedxl_pools.shuffled(len(self._merged["neg"]), steps * (p.p2 or p.b2), g),
         }
-
-    @staticmethod
-    def _shuffled(n: int, total: int, g: torch.Generator) -> Tensor:
-        """Draws "taken next" from a shuffled pool of ``n``: permutations one after another (fresh when used up)."""
-        return torch.cat([torch.randperm(n, generator=g) for _ in range(-(-total // n))])[:total]
 
     def _draw(self, n: int, count: int, client: ClientContext, key: str) -> Tensor:
         order = client.extras["fedxl"]["order"]
@@ -288,19 +238,11 @@ class PassiveBuffer(FederatedCallback):
             return torch.randint(n, (count,), generator=client.generator)
         return order[key][client.step * count : (client.step + 1) * count]
 
-    @staticmethod
-    def _pick(rows: Tensor, count: int, gen: torch.Generator) -> Tensor:
-        """``count`` positions into ``rows``, drawn on the host from ``gen`` (and kept there: the u table's update
-        groups them without a device sync, :func:`flx.losses.xrisk.update_u_table`)."""
-        if len(rows) >= count:
-            return torch.randperm(len(rows), generator=gen)[:count]
-        return torch.randint(len(rows), (count,), generator=gen)
-
     @override
     def sample_batch(self, fed: FederationView, client: ClientContext) -> Tensor:
         s = client.extras["fedxl"]
-        s["ipos"] = self._pick(s["pos"], self.params.b1, client.generator)
-        ineg = self._pick(s["neg"], self.params.b2, client.generator)
+        s["ipos"] = fedxl_pools.pick(s["pos"], self.params.b1, client.generator)
+        ineg = fedxl_pools.pick(s["neg"], self.params.b2, client.generator)
         return torch.cat([s["pos"][s["ipos"].to(s["pos"].device)], s["neg"][ineg.to(s["neg"].device)]])
 
     @override

@@ -27,9 +27,7 @@ Symbols: ``beta``, ``u_th`` (``U_th``), ``T``, ``D``, ``P`` (``levels``), ``s``.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,9 +41,9 @@ from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
 from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
+from flx.parts import whale_report as report
 from flx.parts import whale_utility as wu
 from flx.sampling import derive_seed
-from flx.wandb_logging import ROUND, log_line_series, log_wandb, wandb_loggers
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationSpec, FederationView, Round
@@ -55,7 +53,6 @@ _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches 
 #: our assumption (the paper gives no W^max per device type): the testbed's types from most to least capable
 MAX_LEVELS = {"MacBookPro2018": 1, "Xavier": 2, "TX2": 3, "Nano": 4, "RaspberryPi": 5}
 TE_BATCHES = ("batches", "steps", "samples")
-MAX_PLOTTED_CLIENTS = 20  # W&B's whale/fisher_trace: a line per client for the first this many (the table has all)
 
 
 @dataclass(frozen=True)
@@ -285,46 +282,19 @@ class Subnetwork(FederatedCallback):
             values["sim/time_to_target"] = self.time_to_target
         if values:
             pl_module.log_dict(values, on_epoch=True)
-        if self.history and wandb_loggers(trainer):  # the per-round histograms: W&B draws them over the rounds
-            import wandb
-
-            last = self.history[-1]
-            hists = {"whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=p.levels)}
-            if last["fi"]:
-                hists["whale/fi_hist"] = wandb.Histogram(list(last["fi"].values()))
-            hists[ROUND] = float(trainer.current_epoch + 1)  # this round, 1-based: the charts' x-axis
-            log_wandb(trainer, hists)
+        if self.history:
+            report.log_histograms(trainer, self.history[-1], p.levels)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``whale.json`` (every round's level and Fisher value per client, and the simulated clock) next to
-        ``curves.json``; with W&B, the same as a table ``whale/history`` and a line plot of the Fisher trace, one line
-        per client against the simulated clock."""
-        if not trainer.is_global_zero or not self.history or trainer.fast_dev_run:
-            return
-        os.makedirs(trainer.default_root_dir, exist_ok=True)
-        with open(os.path.join(trainer.default_root_dir, "whale.json"), "w") as f:
-            json.dump({"rounds": self.history}, f)
-        loggers = wandb_loggers(trainer)
-        if not loggers:
-            return
-        import wandb
-
-        columns = ["round", "sim_clock", "client", "device", "level", "width", "fisher"]
-        table = wandb.Table(columns=columns)
-        fed = self._fed
-        for h in self.history:
-            for cid, lvl in h["level"].items():
-                device = fed.system.device_type(cid) if fed is not None else ""
-                table.add_data(h["round"], h["clock"], cid, device, lvl, wu.width(lvl, self.params.s), h["fi"].get(cid))
-        log_wandb(trainer, {"whale/history": table})
-        log_line_series(trainer, "whale/fisher_trace", self.fisher_trace(), "Fisher trace per client", "sim_clock")
+        """``whale.json`` and, with W&B, the history table and the Fisher trace (:func:`report.write_history`)."""
+        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:
+            system = self._fed.system if self._fed is not None else None
+            report.write_history(trainer, self.history, system, self.params.s)
 
     def fisher_trace(self) -> dict[str, list[tuple[float, float]]]:
-        """``{"client <i>": [(clock, sqrt(mean FI^2)), ...]}``: each client's Fisher value at the simulated clock of
-        every round it trained in, for the first :data:`MAX_PLOTTED_CLIENTS` clients that have one."""
-        clients = sorted({cid for h in self.history for cid in h["fi"]})[:MAX_PLOTTED_CLIENTS]
-        return {f"client {c}": [(h["clock"], h["fi"][c]) for h in self.history if c in h["fi"]] for c in clients}
+        """Each client's Fisher value at the clock of the rounds it trained in (:func:`report.fisher_trace`)."""
+        return report.fisher_trace(self.history)
 
     # ------------------------------------------------------------------ checkpoint
     @override
