@@ -96,7 +96,7 @@ class FederatedModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.net, self.spec, self.fingerprint = net, federation, dict(fingerprint or {})
-        self.federation: Federation | None = None  # built when the fit starts (on_fit_start), whole
+        self.federation: Federation | None = None  # built, whole, when a fit (or a lone validate / test) starts
         self._restored: dict[str, Any] | None = None  # a checkpoint's federation state, loaded into it when built
         self.task = task if task is not None else Classification()
         self.automatic_optimization = False
@@ -137,6 +137,19 @@ class FederatedModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ federated training
     def on_fit_start(self) -> None:
+        self._build_federation()
+
+    def on_validation_start(self) -> None:
+        if self.federation is None:  # trainer.validate without a fit: the model as built, or as a checkpoint has it
+            self._build_federation()
+
+    def on_test_start(self) -> None:
+        if self.federation is None:
+            self._build_federation()
+
+    def _build_federation(self) -> None:
+        """The federation, whole: the spec with the net, the client store on the net's device, the parts and the
+        process group; a checkpoint's federation state restored before it existed is loaded into it."""
         trainer, dm = self.trainer, self.trainer.datamodule
         dtype = next(self.net.parameters()).dtype
         parts = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)]
