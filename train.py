@@ -62,8 +62,9 @@ from hydra.errors import InstantiationException  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, read_write  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from flx.config import CONFIG_DIR, check_output_dir, compose_run, one_line  # noqa: E402
-from flx.errors import ConfigError  # noqa: E402
+from flx.checks import check_output_dir  # noqa: E402
+from flx.config import CONFIG_DIR, compose_run  # noqa: E402
+from flx.errors import ConfigError, one_line  # noqa: E402
 from flx.signals import at_once, deferred, say, stop_if_signalled, stopped  # noqa: E402
 
 JOB = os.path.splitext(os.path.basename(__file__))[0]  # Hydra's job name (hydra.job.name): the script's

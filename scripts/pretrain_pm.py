@@ -47,8 +47,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from flx.config import data_protocol, precheck
+from flx.config import precheck
 from flx.datamodules.datamodule import FederatedDataModule
+from flx.datamodules.protocol import data_protocol
 from flx.errors import ConfigError, bad_value
 from flx.models.build import net_from_config
 from flx.models.pretrain import AUGMENTS, SCHEDULES, PretrainParams, accuracy, fit, save_state_dict

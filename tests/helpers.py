@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
-from flx.federation import Federation, FederationConfig
+from flx.federation import Federation, FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback
 
 
@@ -44,8 +44,8 @@ def make_fed(
     system: object = None,
     **cfg: object,
 ) -> Federation:
-    fed = Federation(FederationConfig(**cfg), system=system)
-    fed.attach(
+    return Federation(
+        FederationSpec(FederationConfig(**cfg), system=system),
         net,
         data,
         loss_fn,
@@ -57,7 +57,6 @@ def make_fed(
         broadcast=broadcast,
         server=resources,
     )
-    return fed
 
 
 def run_rounds(fed: Federation, rounds: int, start: int = 0) -> None:

@@ -77,7 +77,7 @@ def test_masks_need_the_count_mean() -> None:
 
 
 def test_the_precheck_knows_every_aggregator() -> None:
-    """config.AGGREGATORS (torch-free, for the pre-run check) names exactly the aggregators there are."""
-    from flx import aggregation, config
+    """checks.AGGREGATORS (torch-free, for the pre-run check; flx.choices) names exactly the aggregators there are."""
+    from flx import aggregation, checks
 
-    assert tuple(aggregation.AGGREGATORS) == config.AGGREGATORS
+    assert tuple(aggregation.AGGREGATORS) == checks.AGGREGATORS

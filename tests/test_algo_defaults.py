@@ -79,7 +79,7 @@ def test_augfl_baselines_hold_augfl_clients(tmp_path: Path) -> None:
 @pytest.mark.parametrize("algo", WHALE_FAMILY)
 def test_whale_family_selects_simulated_devices(algo: str, tmp_path: Path) -> None:
     """``algo=whale`` and the configs built on it run on ``system=mobile20`` unless the command line picks another
-    system (``system=none`` is then refused when the run starts: tests/callbacks/test_subnetwork_run.py)."""
+    system (``system=none`` is then refused when the run starts: tests/parts/test_subnetwork_run.py)."""
     assert _compose(tmp_path, f"algo={algo}").system.name == "mobile20"
     assert _compose(tmp_path, f"algo={algo}", "system=mobile20_code").system.name == "mobile20_code"
     assert "name" not in _compose(tmp_path, f"algo={algo}", "system=none").system

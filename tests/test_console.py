@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from flx.callbacks.lambda_sampling import LambdaSampling
-from flx.callbacks.passive_buffer import PassiveBuffer
 from flx.console import final_line, headline, present
 from flx.hooks import FederatedCallback
+from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.passive_buffer import PassiveBuffer
 from flx.tasks import Classification, Custom, MaskedLM, Regression
 
 

@@ -136,7 +136,7 @@ def test_train_loss_is_the_mean_over_aggregated_clients() -> None:
         losses.append(float(fed.train_client(cid)))
     fed.end_round()
     assert fed.train_loss == pytest.approx(sum(losses) / 3, rel=1e-12)
-    assert int(fed.counters[COUNTERS.index("aggregated")]) == 3
+    assert int(fed.buffer.counters[COUNTERS.index("aggregated")]) == 3
 
 
 class _ClosedForm(FederatedCallback):

@@ -22,6 +22,7 @@ from helpers import linear, make_fed, run_rounds, toy_data
 from flx.config import precheck
 from flx.datamodules.placement import HostRows, fits_on
 from flx.determinism import CUBLAS_DEFAULT, CUBLAS_ENV, cuda_determinism
+from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.models.resnet_cifar import GlobalAvgPool
 from flx.run import build, build_trainer
@@ -119,11 +120,11 @@ def _counts_on_device(name: str, steps: int) -> tuple[int, int]:
         cfg = precheck([*extra, f"algo.local_steps={steps}", "callbacks.progress_bar=null", f"paths.output_dir={out}"])
         dm, module, trainer = build(cfg)
         parts = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)]
-        fed, net = module.federation, module.net
+        net = module.net
         with FakeDevice() as mode:
             net.to(FAKE)
             store = dm.clients.to(FAKE, next(net.parameters()).dtype)
-            fed.attach(net, store, module.task.loss, parts=parts, server=dm.server_resources)
+            fed = Federation(module.spec, net, store, module.task.loss, parts=parts, server=dm.server_resources)
             run_rounds(fed, ROUNDS)
     syncs, to_host, _ = mode.counts()
     return syncs, to_host

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, toy_data
 from torch import Tensor
 
-import flx.callbacks.client_loss as client_loss
+import flx.parts.client_loss as client_loss
 from flx import evaluation
 from flx.config import precheck
 from flx.datamodules.client_eval import ClientRows
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 from flx.run import build
 
 f64 = torch.float64
@@ -135,8 +135,8 @@ SMALL = [
     "callbacks.progress_bar=null",
     "trainer.enable_progress_bar=false",
     "trainer.accelerator=cpu",
-    "+algo.parts.client_loss._target_=flx.callbacks.client_loss.ClientLoss",
-    "+algo.parts.personal._target_=flx.callbacks.personal_model.PersonalModel",
+    "+algo.parts.client_loss._target_=flx.parts.client_loss.ClientLoss",
+    "+algo.parts.personal._target_=flx.parts.personal_model.PersonalModel",
     "+algo.parts.personal.model=local",
 ]
 

@@ -22,8 +22,9 @@ from torch import nn
 
 from flx.datamodules.datamodule import ClientStore
 from flx.faults import ClientFault, Diverged, DivergenceWatch, RoundFaults, all_finite, knob
-from flx.federation import Federation, FederationConfig, derive_seed, local_batches
+from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback
+from flx.sampling import derive_seed, local_batches
 from flx.server import ServerOptConfig, ServerOptimizer
 
 
@@ -191,8 +192,8 @@ def test_two_ranks_agree_on_the_dropped_clients() -> None:
 
     def gather(obj: object) -> list:  # every rank's object of the same call: the left-out ids or the state updates
         if isinstance(obj, dict) and set(obj) == {"dropped", "skipped"}:
-            return [fed._left_out for fed in ranks]
-        return [fed._state_updates for fed in ranks]
+            return [fed.rnd.left_out for fed in ranks]
+        return [fed.rnd.state_updates for fed in ranks]
 
     for r in (0, 1):
         fed = make_fed(linear(), data, parts=[PoisonClient(3)], rank=r, world_size=2, reduce_sum=reduce_sum, **kw)

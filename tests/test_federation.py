@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from helpers import full_batch_gd, linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
-from flx.federation import derive_seed, local_batches, shard_greedy, uniform_cohort
 from flx.hooks import FederatedCallback
-from flx.sampling import NUMPY_FROM, derive_seeds
+from flx.sampling import NUMPY_FROM, derive_seed, derive_seeds, local_batches, shard_greedy, uniform_cohort
 
 
 def test_one_client_fedavg_equals_centralised_sgd() -> None:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
-from flx import federation, local_sgd
+from flx import clients, local_sgd
 from flx.hooks import FederatedCallback
 from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 
@@ -87,13 +87,13 @@ class _Watch(FederatedCallback):
 
 def test_federation_rounds_equal_torch_sgd_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three FedAvg rounds with flx's plain step, on both step loops (with and without step hooks), give the models of
-    the same rounds with torch.optim's step (flx.federation told that the optimizer is not plain), bit for bit."""
+    the same rounds with torch.optim's step (flx.clients told that the optimizer is not plain), bit for bit."""
     data = toy_data([9, 14, 6, 11], dtype=torch.float64)
     kw = dict(clients_per_round=3, local_steps=4, batch_size=4, lr=0.2, seed=3)
     runs = {}
     for name, parts, plain in (("fast", [], True), ("hooked", [_Watch()], True), ("torch", [], False)):
         if not plain:
-            monkeypatch.setattr(federation, "is_plain_sgd", lambda opt: False)
+            monkeypatch.setattr(clients, "is_plain_sgd", lambda opt: False)
         fed = make_fed(linear(dtype=torch.float64), data, parts, **kw)
         run_rounds(fed, 3)
         runs[name] = (params(fed.net), fed.train_loss)

@@ -20,23 +20,23 @@ import torch
 from helpers import binary_store, make_fed, run_rounds, toy_data
 from torch import Tensor, nn
 
-from flx.callbacks.client_loss import ClientLoss, client_train_losses
-from flx.callbacks.client_noise import ClientNoise
-from flx.callbacks.codasca import Codasca
-from flx.callbacks.ditto import Ditto
-from flx.callbacks.fbe import FBE
-from flx.callbacks.lambda_sampling import LambdaSampling
-from flx.callbacks.meta_update import MetaUpdate
-from flx.callbacks.passive_buffer import PassiveBuffer
-from flx.callbacks.pfedme import PFedMe
-from flx.callbacks.pm_regularizer import PMRegularizer
-from flx.callbacks.prox_step import DualAveraging, ProxStep
-from flx.callbacks.qffl import QFFL
-from flx.callbacks.subnetwork import MAX_LEVELS, Subnetwork
 from flx.datamodules.datamodule import ClientStore
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.models.scalable import ScalableCNN
+from flx.parts.client_loss import ClientLoss, client_train_losses
+from flx.parts.client_noise import ClientNoise
+from flx.parts.codasca import Codasca
+from flx.parts.ditto import Ditto
+from flx.parts.fbe import FBE
+from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.meta_update import MetaUpdate
+from flx.parts.passive_buffer import PassiveBuffer
+from flx.parts.pfedme import PFedMe
+from flx.parts.pm_regularizer import PMRegularizer
+from flx.parts.prox_step import DualAveraging, ProxStep
+from flx.parts.qffl import QFFL
+from flx.parts.subnetwork import MAX_LEVELS, Subnetwork
 from flx.resources import ServerResources
 from flx.systems.simulator import LatencySimulator
 

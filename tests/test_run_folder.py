@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from runs import ENV, ROOT, flx_lines, run, start, wait_for
 
-import flx.callbacks
+import flx.parts
 from flx.config import precheck
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
@@ -334,13 +334,13 @@ NEVER_FAILS = {"Structure", "Objective"}
 
 
 def _checking_parts() -> set[str]:
-    """Every part class in flx.callbacks that overrides check_setup or check_federation."""
+    """Every part class in flx.parts that overrides check_setup or check_federation."""
     import importlib
     import pkgutil
 
     found = set()
-    for info in pkgutil.iter_modules(flx.callbacks.__path__):
-        module = importlib.import_module(f"flx.callbacks.{info.name}")
+    for info in pkgutil.iter_modules(flx.parts.__path__):
+        module = importlib.import_module(f"flx.parts.{info.name}")
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, FederatedCallback) and cls.__module__ == module.__name__:
                 if any(hook in vars(cls) for hook in ("check_setup", "check_federation")):
@@ -384,7 +384,7 @@ def test_metric_names_cover_what_a_run_logs(tmp_path: Path, default_run) -> None
     """The default run's logged val/ and train/ columns are exactly what metric_names announced at build time."""
     import csv
 
-    from flx.models.module import metric_names
+    from flx.module import metric_names
     from flx.run import build
 
     dm, module, trainer = build(precheck([f"paths.output_dir={tmp_path}"]))
@@ -415,8 +415,8 @@ def test_every_part_that_logs_says_what_it_logs() -> None:
     import pkgutil
 
     silent = []
-    for info in pkgutil.iter_modules(flx.callbacks.__path__):
-        module = importlib.import_module(f"flx.callbacks.{info.name}")
+    for info in pkgutil.iter_modules(flx.parts.__path__):
+        module = importlib.import_module(f"flx.parts.{info.name}")
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if not issubclass(cls, FederatedCallback) or cls.__module__ != module.__name__:
                 continue

@@ -34,11 +34,11 @@ def _rows(n: int = N) -> torch.Tensor:
 
 
 def test_the_precheck_knows_every_stream() -> None:
-    """config.MINIBATCH (torch-free, for the pre-run check) names exactly the streams there are; epochs is the
-    platform default."""
-    from flx import config
+    """checks.MINIBATCH (torch-free, for the pre-run check; flx.choices) names exactly the streams there are; epochs is
+    the platform default."""
+    from flx import checks
 
-    assert tuple(MINIBATCH_STREAMS) == config.MINIBATCH
+    assert tuple(MINIBATCH_STREAMS) == checks.MINIBATCH
     assert FederationConfig().minibatch == "epochs"
 
 

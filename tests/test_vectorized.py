@@ -15,9 +15,9 @@ from helpers import make_fed, raises_one_line, run_rounds, toy_data
 from torch import nn
 
 from flx import vectorized
-from flx.callbacks.lambda_sampling import LambdaSampling
-from flx.callbacks.prox import Prox
 from flx.hooks import FederatedCallback
+from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.prox import Prox
 from flx.tasks import Classification
 
 SIZES = [7, 12, 30, 4, 19, 25, 1, 40, 9, 16]  # B = 5: below B, short last batches, full batches only
@@ -232,7 +232,7 @@ def test_fedxl_equals_the_sequential_path(params: dict) -> None:
     merged score pools and the clients' stored ``u`` / ``m`` equal the sequential run's."""
     from helpers import binary_store
 
-    from flx.callbacks.passive_buffer import PassiveBuffer
+    from flx.parts.passive_buffer import PassiveBuffer
 
     data = binary_store([5, 7, 4, 6, 9], [8, 6, 9, 5, 7], dim=5, shift=0.7)
     kw = dict(clients_per_round=4, local_steps=3, lr=0.2, weighting="uniform", seed=2)

@@ -27,7 +27,7 @@ from workloads import Workload
 
 from flx.config import precheck
 from flx.datamodules.datamodule import FederatedDataModule
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 from flx.run import build, build_net
 
 _OUTPUT_DIR = tempfile.TemporaryDirectory(prefix="flx-bench-")  # paths.output_dir of every run, removed at exit

@@ -62,7 +62,7 @@ BASE = [
     "algo.weighting=uniform",
     *QUIET_CPU,
     # max_i f_i of the global model on the training rows (the DRFA objective) for every method, baselines included
-    "++algo.parts.client_loss._target_=flx.callbacks.client_loss.ClientLoss",
+    "++algo.parts.client_loss._target_=flx.parts.client_loss.ClientLoss",
     # the paper has no validation split: clients train on their whole class and the curves are test accuracy per
     # round (eval_test: the test split inside the validation loop, plotted and tabulated here, never used to select)
     "data.val_fraction=0",

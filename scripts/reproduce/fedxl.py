@@ -74,7 +74,7 @@ BASE = [
     "test_on=best",
     "eval_test=true",
     # the paper's heterogeneity: client i's training inputs get N(-0.08 + 0.01 i, 0.2^2) noise, every method
-    "+algo.parts.noise._target_=flx.callbacks.client_noise.ClientNoise",
+    "+algo.parts.noise._target_=flx.parts.client_noise.ClientNoise",
 ]
 TABLE2 = {  # method -> overrides (pAUC task, KL-OPAUC loss for the X-risk methods)
     "FeDXL2": ["algo=fedxl2"],

@@ -23,7 +23,7 @@ evaluated with the global model as their personalised model (Sec. 4.1). Seeds va
 the generated data are fixed (`data.split_seed`).
 
 Writes `docs/results/pfedfbe/{table.md,table.csv,<setting>.png}`: per setting and method, the final training
-objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.callbacks.objective`), the mean personalised
+objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.parts.objective`), the mean personalised
 objective `mean_j f_j(theta_j) + h(theta_j)` and pFedFBE's envelope objective (Eq. 7), the support scores (Lasso:
 global model in (I), personalised models in (II), as the paper), the rank and recovery error of the personalised
 models (matrix completion), the global and personalised test metric, mean ± std over seeds; and the curves, a point
@@ -55,10 +55,10 @@ BASE = [
     *QUIET_CPU,
     "data.val_fraction=0",  # no validation split in the paper: per-round test curves (eval_test), never used to select
     "eval_test=true",
-    "+algo.parts.objective._target_=flx.callbacks.objective.Objective",
+    "+algo.parts.objective._target_=flx.parts.objective.Objective",
 ]
 SYNTHETIC = ["algo.local_steps=20", "algo.batch_size=50", "client_eval=test_group", "trainer.precision=64-true"]
-STRUCTURE = ["+algo.parts.structure._target_=flx.callbacks.structure.Structure"]
+STRUCTURE = ["+algo.parts.structure._target_=flx.parts.structure.Structure"]
 L1 = "{name:l1,mu:0.1,params:[linear.weight]}"
 NUCLEAR = "{name:nuclear,mu:0.1,shape:[32,32],params:[linear.weight]}"
 GROUP_L2 = "{name:group_l2,mu:0.001,params:['*weight']}"
@@ -112,7 +112,7 @@ def overrides(setting: str, method: str, lr: float | None = None) -> list[str]:
     if composite:
         out.append(f"algo.regularizer={h}")
     if method.startswith(("FedMiD", "FedDualAvg")):  # no personalisation: the global model is the personalised one
-        out += ["+algo.parts.personal_model._target_=flx.callbacks.personal_model.PersonalModel"]
+        out += ["+algo.parts.personal_model._target_=flx.parts.personal_model.PersonalModel"]
         out += ["+algo.parts.personal_model.model=global"]  # (Sec. 4.1)
     if method == "FedMiD (no server prox)":
         out.append("algo.server_prox=false")

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from flx import choices
+
 ReduceFn = Callable[[Tensor], Tensor]
 
 
@@ -159,7 +161,10 @@ class AdmmSum(WeightedMean):
 
 
 Aggregator = WeightedMean | CountMean | AdmmSum
-AGGREGATORS: dict[str, type[Aggregator]] = {"mean": WeightedMean, "count_mean": CountMean, "admm_sum": AdmmSum}
+AGGREGATORS: dict[str, type[Aggregator]] = dict(
+    zip(choices.AGGREGATORS, (WeightedMean, CountMean, AdmmSum), strict=True)
+)
+"""``algo.aggregator``: the names are :data:`flx.choices.AGGREGATORS` (the pre-run check reads them there)."""
 
 
 class RoundStats:

@@ -1,19 +1,30 @@
-"""The data the round protocol hands to parts: its settings, the round's facts, one client's scope.
+"""The round protocol's narrow door: what parts receive and the one type of the federation they see.
 
-These types are shared by the core (:mod:`flx.federation`) and the parts (:mod:`flx.hooks`), so neither has to
-import the other to name them.
+- :class:`FederationConfig`: the settings (``algo.*``); :class:`FederationSpec`: what the federation is built from
+  (what ``check_federation`` sees); :class:`Round`: one round's plan and accumulators;
+  :class:`ClientContext`: one client's scope; :class:`Cohort`: stacked clients (``algo.vectorize``);
+  :class:`ClientData`: the client store.
+- :class:`FederationView`: the ``fed`` every hook receives, exactly the helpers of docs/round_protocol.md ("Core
+  helpers for parts"); :class:`Core`: what the client runners (:mod:`flx.clients`) use besides.
+
+The core (:mod:`flx.federation`), the hooks (:mod:`flx.hooks`), the client runners and every part import these
+types from here, never the federation itself, so the import graph has no circle (``tests/test_imports.py``) and a
+part that reaches past the door fails a test (``tests/test_context.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from flx.server import ServerOptConfig
+from flx.state import ClientStateStore
+from flx.systems.simulator import LatencySimulator
 
 
 @dataclass(frozen=True)
@@ -77,17 +88,107 @@ class FederationConfig:
     vectorize: bool = False
 
 
-@dataclass(frozen=True)
-class RoundContext:
-    """Read-only facts about the current round, handed to parts."""
+@dataclass
+class FederationSpec:
+    """What a run's federation is built from before the net and the process group exist: run.py makes it, parts check
+    it (``check_federation``), and the module builds the :class:`Federation` from it when the fit starts.
 
-    round: int
-    cohort: tuple[int, ...]  # unique client ids, sorted
-    multiplicity: tuple[int, ...]  # times each cohort id was drawn
-    shard: tuple[int, ...]  # the ids this rank trains (an id repeats when duplicates=repeat gives it copies here)
-    rank: int
-    world_size: int
-    slots: int  # clients in the busiest shard (every rank knows it: the round's length on the slowest rank)
+    Attributes:
+        cfg: the round-protocol hyper-parameters.
+        store: per-client persistent state (in memory by default).
+        system: the device / latency simulator (``system=mobile20``; docs/systems.md), or None: ``fed.system``, which
+            parts query, and the simulated clock ``fed.clock`` (``sim/round_time``, ``sim/clock``).
+    """
+
+    cfg: FederationConfig = field(default_factory=FederationConfig)
+    store: ClientStateStore = field(default_factory=ClientStateStore)
+    system: LatencySimulator | None = None
+
+
+class Round:
+    """What belongs to one round: its plan and its accumulators. :meth:`flx.federation.Federation.begin_round` makes
+    it; parts receive it (``rnd``, ``client.round``).
+
+    The plan is written while the round is planned (``sample_clients``, ``on_round_start``, which run alike on every
+    rank) and frozen after (:meth:`freeze`): a client hook runs on one rank only, so what every rank must agree on
+    cannot change there. Then setting an attribute, or a width, raises.
+
+    Attributes:
+        round: the round index ``t`` (0-based).
+        rank, world_size: this process and the number of processes.
+        cohort: the distinct sampled client ids, sorted.
+        multiplicity: the times each cohort id was drawn.
+        shard: the ids this rank trains (an id repeats when ``duplicates=repeat`` gives it copies here).
+        slots: the clients of the busiest shard (every rank knows it: the round's length on the slowest rank).
+        draws: the times each cohort client was drawn (``multiplicity`` by id).
+        weights: each cohort client's aggregation weight for one draw, ``p_i`` (``n_i``, or 1: ``algo.weighting``).
+        seeds: this rank's clients' seeds for their first copy, ``derive_seed(seed, t, i)``.
+        copies: this rank's copy numbers of each client, in training order (``duplicates=repeat``; else empty).
+        start_states: the round-start state of the clients with more than one copy (every copy starts from it).
+        left_out: the accumulator of this rank's clients left out of the aggregate, ``dropped`` and ``skipped``.
+        state_updates: the accumulator of the client states this rank stored (sent to the other ranks at the end).
+    """
+
+    def __init__(
+        self, round: int, rank: int = 0, world_size: int = 1, check_width: Callable[[float], None] | None = None
+    ):
+        self.round, self.rank, self.world_size = round, rank, world_size
+        self.cohort: tuple[int, ...] = ()
+        self.multiplicity: tuple[int, ...] = ()
+        self.shard: tuple[int, ...] = ()
+        self.slots = 0
+        self.draws: dict[int, int] = {}
+        self.weights: dict[int, float] = {}
+        self.seeds: dict[int, int] = {}
+        self.copies: dict[int, list[int]] = {}
+        self.start_states: dict[int, dict[str, Tensor]] = {}
+        self.widths: dict[int, float] = {}
+        self.left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
+        self.state_updates: dict[int, dict[str, Tensor]] = {}
+        self._check_width = check_width
+        self._frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"round {self.round} is planned: rnd.{name} is set in sample_clients / on_round_start")
+        super().__setattr__(name, value)
+
+    def __repr__(self) -> str:
+        return f"Round({self.round}, cohort={self.cohort}, shard={self.shard}, rank={self.rank}/{self.world_size})"
+
+    @property
+    def planning(self) -> bool:
+        """Whether the plan may still change (before :meth:`freeze`)."""
+        return not self._frozen
+
+    def freeze(self) -> None:
+        """Ends the planning (after ``on_round_start``): the plan reads the same on every rank from here on."""
+        self._frozen = True
+
+    def set_width(self, cid: int, ratio: float) -> None:
+        """Records that client ``cid`` trains at width ratio ``ratio`` this round (default 1.0, the full model):
+        what the sub-network part trains and what the simulated clock prices (docs/systems.md).
+
+        Only while the round is planned (``sample_clients`` / ``on_round_start``, the same on every rank); with a
+        device simulator, ``ratio`` must be one of its profiled widths.
+        """
+        if self._frozen:
+            raise RuntimeError("rnd.set_width is for sample_clients / on_round_start (the same on every rank)")
+        if not 0 < ratio <= 1:
+            raise ValueError(f"width ratio {ratio!r}: must be in (0, 1]")
+        if self._check_width is not None:
+            self._check_width(ratio)
+        self.widths[int(cid)] = float(ratio)
+
+    def width(self, cid: int) -> float:
+        """The width ratio client ``cid`` trains at this round (:meth:`set_width`; 1.0 when none was set)."""
+        return self.widths.get(int(cid), 1.0)
+
+    def next_copy(self, cid: int) -> int:
+        """The copy number of ``cid``'s next local run on this rank (0 when it has one run, or under
+        ``multiplicity``)."""
+        mine = self.copies.get(cid)
+        return mine.pop(0) if mine else 0
 
 
 @dataclass
@@ -99,7 +200,7 @@ class ClientContext:
     """
 
     cid: int
-    round: RoundContext
+    round: Round
     num_samples: int
     num_steps: int
     weight: float
@@ -113,6 +214,32 @@ class ClientContext:
     draws: int = 1  # cohort draws this local run stands for (its weight's factor): k (multiplicity) or 1 (repeat)
     copy: int = 0  # which of the client's k runs this is (duplicates=repeat), 0 otherwise
     masks: list[Tensor] | None = None
+
+
+@dataclass
+class Cohort:
+    """A group of clients trained together; what ``on_cohort_grad`` / ``on_cohort_step_end`` receive.
+
+    Attributes:
+        clients: the clients, in the order of the stacked dimension.
+        params: the clients' current parameters, one ``(m, *p.shape)`` tensor per trainable parameter of the net.
+        grads: at ``on_cohort_grad``, the step's gradients shaped like ``params`` (edit in place); None otherwise.
+        step: the local step ``k`` (0-based).
+        rows: the step's minibatch rows, ``(m, B)``: client ``i``'s are ``rows[i, :sizes[i]]`` (the rest pads).
+        sizes: the clients' minibatch sizes at this step.
+    """
+
+    clients: list[ClientContext]
+    params: list[Tensor]
+    grads: list[Tensor] | None = None
+    step: int = 0
+    rows: Tensor | None = None
+    sizes: list[int] = field(default_factory=list)
+
+    def local_state(self, fed: FederationView, i: int) -> list[Tensor]:
+        """Client ``i``'s upload as the sequential path has it in ``fed.local_state``: its parameters (views into
+        :attr:`params`), then the net's float buffers (which no vectorisable net changes in training)."""
+        return [p[i] for p in self.params] + [b.detach() for b in fed.float_buffers]
 
 
 class ClientData:
@@ -138,3 +265,93 @@ class ClientData:
         """Client ``cid``'s query rows: its rows outside the support set (empty without a support/query split)."""
         rows = self.client_indices[cid]
         return rows[~torch.isin(rows, self.support_rows(cid))]
+
+
+class FederationView(Protocol):
+    """The federation as parts see it: the ``fed`` of every hook. Its members are the table "Core helpers for parts"
+    of docs/round_protocol.md, and nothing else; ``tests/test_context.py`` fails when a part uses another."""
+
+    # settings, the round, the parts
+    cfg: FederationConfig
+    rnd: Round | None  # the current round (the last one trained between rounds); None before the first
+    faults: Any  # the last round's left-out clients (flx.faults.RoundFaults: dropped, skipped)
+    parts: list[Any]  # every part, in algo.parts order
+
+    def parts_with(self, hook: str) -> list[Any]: ...
+
+    # the model
+    net: nn.Module
+    params: list[Tensor]  # the net's trainable parameters
+    global_params: list[Tensor]  # w^t, the round-start snapshot
+    float_buffers: list[Tensor]
+    local_state: list[Tensor]  # params then float buffers: what a client uploads
+    local_opt: torch.optim.SGD  # the sequential steps' optimizer (a part may set its groups' lr per round)
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    step_context: Callable[[], AbstractContextManager]
+
+    # the data
+    data: ClientData
+
+    @property
+    def num_clients(self) -> int: ...
+
+    def num_samples(self, cid: int) -> int: ...
+
+    def client_steps(self, cid: int) -> int: ...
+
+    def client_batches(self, client: ClientContext) -> Iterator[Tensor]: ...
+
+    def batch(self, rows: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    # derivatives and losses at any parameters
+    def grad_at(self, params: Sequence[Tensor], rows: Tensor, create_graph: bool = False) -> list[Tensor]: ...
+
+    def value_and_grad_at(self, params: Sequence[Tensor], rows: Tensor) -> tuple[Tensor, list[Tensor]]: ...
+
+    def hvp(
+        self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Sequence[Tensor] | None = None, **kw: Any
+    ) -> list[Tensor]: ...
+
+    def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float: ...
+
+    def eval_loss_tensor(self, rows: Tensor, chunk: int = 4096) -> Tensor: ...
+
+    # statistics and collectives
+    rank: int
+    world_size: int
+    reduce_sum: Callable[[Tensor], Any] | None
+    gather: Callable[[Any], list[Any]] | None
+    aggregator: Any  # flx.aggregation: total_weight, the round's weight sum
+
+    def register_stat(self, name: str, like: Tensor | Sequence[Tensor]) -> None: ...
+
+    def stat(self, name: str) -> Tensor | list[Tensor]: ...
+
+    @property
+    def train_loss(self) -> float | None: ...
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def on_server(self, fn: Callable[[], Any]) -> Any: ...
+
+    # personalised evaluation
+    def personalize(self, cid: int) -> AbstractContextManager[None]: ...
+
+    def evaluate_clients(self, data: Any, metric: Callable[[Tensor, Tensor], Tensor]) -> Tensor: ...
+
+    # the system, the state
+    system: Any  # flx.systems.simulator.LatencySimulator, or None
+    clock: Any  # flx.systems.clock.SimClock, or None
+    store: Any  # flx.state.ClientStateStore: per-client state
+    resources: Any  # flx.resources.ServerResources, or None
+
+
+class Core(FederationView, Protocol):
+    """What the client runners (:mod:`flx.clients`, :mod:`flx.vectorized`) use of the federation besides the parts'
+    door: the least rows a client trains on, loading ``w^t`` into the net, and the round's buffer
+    (:class:`flx.round_buffer.RoundBuffer`) a client's end adds to."""
+
+    min_rows: int
+    buffer: Any
+
+    def load_global(self) -> None: ...

@@ -49,3 +49,24 @@ def instantiate(cfg: Any, **kwargs: Any) -> Any:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         raise
+
+
+_NOISE = ("full_key:", "object_type=", "Set the environment variable HYDRA_FULL_ERROR")
+
+
+def _lines(e: BaseException | None) -> list[str]:
+    """The informative lines of an exception's message, without Hydra/OmegaConf location and debugging hints."""
+    lines = []
+    for line in ("" if e is None else str(e)).splitlines():
+        line = line.split(", set env var HYDRA_FULL_ERROR")[0].strip().rstrip(".:")
+        if line and not line.startswith(_NOISE):
+            lines.append(line)
+    return lines
+
+
+def one_line(e: BaseException) -> str:
+    """Folds a (Hydra) exception and its cause into one line, e.g.
+    ``Could not override 'algo.lrr'; Key 'lrr' is not in struct; To append to your config use +algo.lrr=0.1``."""
+    lines = _lines(e) or [type(e).__name__]
+    cause = [c for c in _lines(e.__cause__) if not any(c in line for line in lines)]
+    return "; ".join(lines[:1] + cause + lines[1:])

@@ -5,7 +5,7 @@
 ``evaluate_clients`` measures every client that way, the clients spread over the ranks, with one sum.
 ``global_sums`` measures the global model on many clients at once: the clients' rows are batched together and a row
 that several clients share is forwarded once (clients that no part personalises; ``client_losses``, every client's
-training loss: :mod:`flx.callbacks.client_loss`, DRFA-GA's dual ascent), instead of one forward pass per client.
+training loss: :mod:`flx.parts.client_loss`, DRFA-GA's dual ascent), instead of one forward pass per client.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from torch import Tensor
 from flx.datamodules.client_eval import ClientRows
 
 if TYPE_CHECKING:
-    from flx.federation import Federation
+    from flx.context import FederationView
 
 BATCH_ROWS = 4096  # rows a forward pass of the global model takes at most (the global evaluation's chunk)
 
 
 @contextmanager
-def personalized(fed: Federation, cid: int) -> Iterator[bool]:
+def personalized(fed: FederationView, cid: int) -> Iterator[bool]:
     """Inside the block the net is client ``cid``'s personalised model (the parts' ``personalize`` contexts, in part
     order; the global model when no part personalises). On exit the net's parameters and float buffers are restored
     exactly and the global RNG stream is as it was. Gradients are enabled inside, even under Lightning's inference
@@ -52,7 +52,7 @@ def personalized(fed: Federation, cid: int) -> Iterator[bool]:
 
 
 def evaluate_clients(
-    fed: Federation, data: ClientRows, metric: Callable[[Tensor, Tensor], Tensor], batch_rows: int = BATCH_ROWS
+    fed: FederationView, data: ClientRows, metric: Callable[[Tensor, Tensor], Tensor], batch_rows: int = BATCH_ROWS
 ) -> Tensor:
     """``metric`` (a batch mean) of each client's personalised model (:func:`personalized`) on its own rows.
 
@@ -88,7 +88,7 @@ def evaluate_clients(
 
 @torch.no_grad()
 def global_sums(
-    fed: Federation,
+    fed: FederationView,
     x: Tensor,
     y: Tensor,
     rows: Sequence[Tensor],
@@ -126,7 +126,7 @@ def global_sums(
     return dict(zip(out, values))
 
 
-def client_losses(fed: Federation, clients: Iterable[int]) -> dict[int, float]:
+def client_losses(fed: FederationView, clients: Iterable[int]) -> dict[int, float]:
     """:math:`f_i`: the mean ``loss_fn`` of the net's current model over client ``i``'s training rows, for each of
     ``clients`` that has rows, batched across them (:func:`global_sums`)."""
     rows = fed.data.client_indices

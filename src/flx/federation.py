@@ -2,7 +2,7 @@
 
 McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data", AISTATS 2017
 (FedAvg, Algorithm 1), with the server step of Reddi et al. (ICLR 2021) and the parts of
-:mod:`flx.callbacks`.
+:mod:`flx.parts`.
 
 .. math::
     w_i^{t,k+1} = w_i^{t,k} - \\eta\\, \\nabla \\ell_i(w_i^{t,k}; \\xi_i^{t,k}),\\quad k = 0..K-1,
@@ -27,52 +27,29 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flx import autodiff, evaluation, vectorized
-from flx.aggregation import AGGREGATORS, ReduceFn, RoundStats, buffer_dtype
-from flx.context import ClientContext, ClientData, FederationConfig, RoundContext
+from flx import evaluation, vectorized
+from flx.aggregation import ReduceFn
+from flx.clients import Sequential
+from flx.context import ClientContext, ClientData, FederationConfig, FederationSpec, Round
 from flx.datamodules.ragged import Ragged
-from flx.faults import DivergenceWatch, RoundFaults, all_finite, check_global_model, judge, knob
+from flx.faults import DivergenceWatch, RoundFaults, check_global_model, gather_faults, judge, knob, reference_rows
 from flx.hooks import HOOKS, FederatedCallback, overrides
-from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
+from flx.probe import LossProbe
+from flx.round_buffer import COUNTERS, RoundBuffer
 from flx.sampling import (
     MINIBATCH_STREAMS,
     SAMPLE_TAG,
     derive_seed,
     derive_seeds,
-    local_batches,
+    number_copies,
     shard_greedy,
     uniform_cohort,
 )
 from flx.server import ServerOptimizer
-from flx.state import ClientStateStore, ServerState
+from flx.state import ServerState, share_states
 from flx.systems.clock import SimClock
-from flx.systems.simulator import LatencySimulator
 
-__all__ = [
-    "ClientContext",
-    "ClientData",
-    "Federation",
-    "FederationConfig",
-    "RoundContext",
-    "derive_seed",
-    "local_batches",
-    "shard_greedy",
-    "uniform_cohort",
-]
-# the federation's own scalars in the round's all-reduce, before the parts' registered statistics; "stored" counts the
-# clients whose state went to the store, so every rank knows whether the round needs the state all-gather; "aggregated"
-# and "loss_count" are adjacent, so an aggregated client adds 1 to both in one op; "initial_*": the divergence rule's
-# initial loss, each rank's share of the rows (Federation._measure_reference), summed in the first round's reduce
-COUNTERS = ("dropped", "skipped", "aggregated", "loss_count", "loss_sum", "stored", "initial_loss_sum", "initial_rows")
-
-# the hooks that run inside each local step (the sequential path skips their bookkeeping when no part has any)
-_STEP_HOOKS = ("sample_batch", "local_loss", "on_local_grad", "on_local_step_end")
-
-
-REFERENCE_ROWS = 512
-"""Rows of the first cohort on which the divergence rule's ``L_0`` is measured: its standard error is a few percent of
-the loss, against a threshold of ``fault.diverge_factor`` (100) times it. 4096 rows cost the default CNN's 2-round
-bench a fifth of its time (one forward of 4096 3x32x32 rows on one thread, ~1.4 s)."""
+__all__ = ["COUNTERS", "ClientContext", "ClientData", "Federation", "FederationConfig", "FederationSpec", "Round"]
 
 
 def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
@@ -82,33 +59,30 @@ def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
 
 
 class Federation:
-    """Runs rounds on one rank. Built from config, attached to the module's net and data at setup.
+    """Runs rounds on one rank: the round engine, whole when built (the net, the data and the process group given).
+
+    The round is its own object (:class:`~flx.context.Round`, :meth:`begin_round`); the clients train in the run's
+    client runner (:mod:`flx.clients`); the round's one collective is :class:`~flx.round_buffer.RoundBuffer`; losses
+    and derivatives on store rows are :class:`~flx.probe.LossProbe`'s. Parts see this object through
+    :class:`flx.context.FederationView`.
 
     Args:
-        cfg: the round-protocol hyper-parameters.
-        store: per-client persistent state (created in memory when omitted).
-        system: the device / latency simulator (``system=mobile20``; docs/systems.md), or None: ``fed.system``, which
-            parts query, and the simulated clock ``fed.clock`` (``sim/round_time``, ``sim/clock``).
+        spec: the settings, the client-state store and the simulator (:class:`FederationSpec`), or the settings alone.
+        net: the (single, reused) net.
+        data: the client store (:class:`flx.context.ClientData`) on the net's device.
+        loss_fn: the task's batch-mean loss.
+        parts: the algorithm's parts, in ``algo.parts`` order.
+        reduce_sum, gather, broadcast: the process group's all-reduce of a tensor (sum), all-gather of a picklable
+            object (rank order) and broadcast of rank 0's object; only called when ``world_size > 1``.
+        rank, world_size: this process and the number of processes.
+        step_context: the precision context of the local steps.
+        server: the server-side resources (:class:`flx.resources.ServerResources`: rows no client sees, frozen
+            models), or None.
     """
 
     def __init__(
-        self, cfg: FederationConfig, store: ClientStateStore | None = None, system: LatencySimulator | None = None
-    ) -> None:
-        self.cfg = cfg
-        self.store = store if store is not None else ClientStateStore()  # an empty store is falsy (len 0)
-        self.server = ServerState()
-        self.system = system
-        self.clock = SimClock(system) if system is not None else None
-        self._widths: dict[int, float] = {}
-        self._widths_open = False
-        self.parts: list[FederatedCallback] = []
-        self._hooked: dict[str, list[FederatedCallback]] = {h: [] for h in HOOKS}
-        self.rnd: RoundContext | None = None
-        self.divergence = DivergenceWatch(cfg.diverge_factor, cfg.diverge_rounds)
-
-    # ------------------------------------------------------------------ setup
-    def attach(
         self,
+        spec: FederationSpec | FederationConfig,
         net: nn.Module,
         data: ClientData,
         loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -121,54 +95,42 @@ class Federation:
         broadcast: Callable[[Any], Any] | None = None,
         server: Any = None,
     ) -> None:
-        """Binds the federation to the (single, reused) net, the data and the process group.
-
-        ``reduce_sum`` all-reduces a tensor (sum); ``gather`` all-gathers a picklable object (rank order);
-        ``broadcast`` sends rank 0's picklable object to every rank; all three are only called when
-        ``world_size > 1``. ``server`` holds the server-side resources (:class:`flx.resources.ServerResources`:
-        rows no client sees, frozen models), or None.
-        """
-        self.net, self.data, self.loss_fn = net, data, loss_fn
-        # where row indices into the store live: the store's device, or the host for a store kept there (HostRows)
-        self.index_device: torch.device = getattr(data.x, "index_device", data.x.device)
-        indices = data.client_indices
-        # a client's row count without making its view (a Ragged reads two offsets): asked ~6 times per client
-        self._rows_of: Callable[[int], int] = (
-            indices.size if isinstance(indices, Ragged) else lambda cid: len(indices[cid])
-        )
-        self.reduce_sum, self.rank, self.world_size, self.step_context = reduce_sum, rank, world_size, step_context
-        self.gather, self._broadcast, self.resources = gather, broadcast, server
+        self.spec = spec if isinstance(spec, FederationSpec) else FederationSpec(spec)
+        self.cfg, self.store, self.system = self.spec.cfg, self.spec.store, self.spec.system
+        self.clock = SimClock(self.system) if self.system is not None else None
+        self.server, self.divergence = ServerState(), DivergenceWatch(self.cfg.diverge_factor, self.cfg.diverge_rounds)
+        self.rnd: Round | None = None  # the current round, or the last one trained; None before the first
+        self.faults = RoundFaults()  # the last round's left-out clients
+        self.net, self.data, self.loss_fn, self.step_context = net, data, loss_fn, step_context
+        self.reduce_sum, self.gather, self._broadcast, self.resources = reduce_sum, gather, broadcast, server
+        self.rank, self.world_size = rank, world_size
         self.store.bind_rank(rank, world_size)
-        self.set_parts(parts)
+        indices = data.client_indices  # a client's row count without its view (a Ragged reads two offsets)
+        self._rows_of: Callable[[int], int] = indices.size if isinstance(indices, Ragged) else lambda c: len(indices[c])
+        self.parts = list(parts)
+        self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
         self.params = [p for p in net.parameters() if p.requires_grad]
-        buffers = [b for b in net.buffers()]
+        buffers = list(net.buffers())
         self.float_buffers = [b for b in buffers if b.is_floating_point()]
         self.other_buffers = [b for b in buffers if not b.is_floating_point()]
-        self.global_params = [p.detach().clone() for p in self.params]
-        self.global_other = [b.detach().clone() for b in self.other_buffers]
         self.local_state = self.params + self.float_buffers  # what a client uploads
-        self.stats = RoundStats(COUNTERS)
-        self.counted: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)  # the last round's, read once after its reduce
-        for part in self._hooked["on_attach"]:
+        self.global_params = [p.detach().clone() for p in self.params]
+        self._global_floats = [b.detach().clone() for b in self.float_buffers]
+        self.global_other = [b.detach().clone() for b in self.other_buffers]
+        self.probe = LossProbe(net, self.params, data, loss_fn, step_context)
+        self.buffer = RoundBuffer()
+        for part in self._hooked["on_attach"]:  # parts register their statistics before the buffer is laid out
             part.on_attach(self)
-        self._allocate_round_buffer()
+        self.aggregator = self.buffer.allocate(self.local_state, self.cfg.aggregator)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
         policy = self.cfg.single_row_batch
         self.min_rows = 2 if policy == "drop" or (policy == "auto" and has_bn) else 1
-        self.faults = RoundFaults()
         self.server_opt = ServerOptimizer(self.global_params, self.cfg.server)
-        self.server_opt.load_state_dict(self.server.optimizer)
-        self.local_opt = torch.optim.SGD(
-            self.params, lr=self.cfg.lr, momentum=self.cfg.momentum, weight_decay=self.cfg.weight_decay
-        )
-        self._gen = torch.Generator()
-        self._global_floats = [b.detach().clone() for b in self.float_buffers]
+        cfg = self.cfg
+        self.local_opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        self.runner = (vectorized.Stacked if cfg.vectorize else Sequential)(self)
 
-    def set_parts(self, parts: Sequence[FederatedCallback]) -> None:
-        self.parts = list(parts)
-        self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
-
-    # ------------------------------------------------------------------ the round's one collective
+    # ------------------------------------------------------------------ services for parts
     def register_stat(self, name: str, like: Tensor | Sequence[Tensor]) -> None:
         """Declares a per-round statistic that rides in the round's single all-reduce (call it in ``on_attach``).
 
@@ -178,39 +140,20 @@ class Federation:
         (``stat[i] += x``). The buffer's dtype is the widest of the model's and the statistics' (fp64 statistics make
         it fp64).
         """
-        self.stats.register(name, like)
+        self.buffer.register(name, like)
 
     def stat(self, name: str) -> Tensor | list[Tensor]:
         """The views of a registered statistic (see :meth:`register_stat`)."""
-        return self.stats[name]
-
-    def _allocate_round_buffer(self) -> None:
-        """One flat buffer per round: the aggregator's sums, then :data:`COUNTERS`, then the registered statistics."""
-        dtype = buffer_dtype(self.local_state + self.stats.likes())
-        self.aggregator = AGGREGATORS[self.cfg.aggregator](self.local_state, extra=self.stats.numel(), dtype=dtype)
-        self.counters = self.stats.bind(self.aggregator.extra)
-        # views of the counters an aggregated client adds to (in place, two ops a client)
-        i = COUNTERS.index("aggregated")
-        self._aggregated_and_losses, self._loss_sum = (
-            self.counters[i : i + 2],
-            self.counters[COUNTERS.index("loss_sum")],
-        )
+        return self.buffer.stats[name]
 
     @property
     def train_loss(self) -> float | None:
         """The round's mean local training loss over the aggregated clients of every rank (after the reduce)."""
-        n = self.counted["loss_count"]
-        return self.counted["loss_sum"] / n if n > 0 else None
-
-    def _read_counters(self) -> None:
-        """The reduced counters as Python numbers (:attr:`counted`): one device-to-host copy for the round."""
-        self.counted = dict(zip(COUNTERS, self.counters.cpu().tolist()))
+        return self.buffer.train_loss
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (pickled through the process group; identity on one process)."""
-        if self.world_size == 1 or self._broadcast is None:
-            return obj
-        return self._broadcast(obj)
+        return obj if self.world_size == 1 or self._broadcast is None else self._broadcast(obj)
 
     def on_server(self, fn: Callable[[], Any]) -> Any:
         """Runs ``fn`` on rank 0 only and returns its result on every rank: server-side work (training with a
@@ -231,7 +174,53 @@ class Federation:
         now being evaluated comes from); sorted; ``()`` before this process's first round."""
         return self.rnd.cohort if self.rnd is not None else ()
 
-    # ------------------------------------------------------------------ server
+    def client_steps(self, cid: int) -> int:
+        if self.cfg.local_epochs is None:
+            return self.cfg.local_steps
+        return self.cfg.local_epochs * -(-self.num_samples(cid) // self.cfg.batch_size)
+
+    def client_batches(self, client: ClientContext) -> Iterator[Tensor]:
+        """The default minibatch stream of ``client``: its ``num_steps`` minibatches (row indices into the store),
+        drawn from ``client.generator`` as ``algo.minibatch`` says (reshuffled passes over its rows, or a fresh draw of
+        ``B`` rows per step; :data:`flx.sampling.MINIBATCH_STREAMS`). The one source of the local steps' rows: both
+        client runners and the parts that replace the local steps."""
+        stream = MINIBATCH_STREAMS[self.cfg.minibatch]
+        idx = self.data.client_indices[client.cid]
+        return stream(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
+
+    # the loss of the net on store rows, at any parameters (flx.probe.LossProbe: the training state is untouched)
+    def batch(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x, y)`` of ``rows`` of the tensor store (:meth:`flx.probe.LossProbe.batch`)."""
+        return self.probe.batch(rows)
+
+    def grad_at(self, params: Sequence[Tensor], rows: Tensor, create_graph: bool = False) -> list[Tensor]:
+        """``grad f(params; rows)`` at any ``params`` (:meth:`flx.probe.LossProbe.grad_at`)."""
+        return self.probe.grad_at(params, rows, create_graph)
+
+    def value_and_grad_at(self, params: Sequence[Tensor], rows: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The loss and :meth:`grad_at` from one pass (:meth:`flx.probe.LossProbe.value_and_grad_at`)."""
+        return self.probe.value_and_grad_at(params, rows)
+
+    def hvp(
+        self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Any = None, **kw: Any
+    ) -> list[Tensor]:
+        """``H(params) v`` on ``rows``, ``mode`` exact / fd / none (:meth:`flx.probe.LossProbe.hvp`)."""
+        return self.probe.hvp(v, rows, mode, params, **kw)
+
+    def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:
+        """The net's mean loss on ``rows`` in eval mode, no RNG drawn (:meth:`flx.probe.LossProbe.eval_loss`)."""
+        return self.probe.eval_loss(rows, chunk)
+
+    def eval_loss_tensor(self, rows: Tensor, chunk: int = 4096) -> Tensor:
+        """:meth:`eval_loss` as a float64 scalar on the net's device, no host sync."""
+        return self.probe.eval_loss_tensor(rows, chunk)
+
+    def knob(self) -> str:
+        """The setting a divergence message names, with its value (:func:`flx.faults.knob`): ``algo.server.lr``
+        when the last server step moved the global model farther than the clients' mean update, else ``algo.lr``."""
+        return knob(self.cfg, self.server_opt.amplification)
+
+    # ------------------------------------------------------------------ the round
     def sample(self, round_idx: int) -> list[int]:
         """The round's cohort (with repeats if a sampling part draws with replacement)."""
         rng = np.random.default_rng(derive_seed(self.cfg.seed, round_idx, SAMPLE_TAG))
@@ -241,98 +230,68 @@ class Federation:
                 return [int(c) for c in cohort]
         return uniform_cohort(self.num_clients, self.cfg.clients_per_round, rng)
 
-    def begin_round(self, round_idx: int) -> RoundContext:
-        """Samples and shards the cohort, snapshots the global model, runs ``on_round_start``."""
-        self._widths, self._widths_open = {}, True
-        draws = Counter(self.sample(round_idx))  # the distinct clients, sorted, and how often each was drawn
-        cohort = tuple(sorted(draws))
-        mult = tuple(draws[c] for c in cohort)
-        self._multiplicity = dict(zip(cohort, mult))
+    def begin_round(self, round_idx: int) -> Round:
+        """Plans the round (:class:`~flx.context.Round`): samples and shards the cohort, snapshots the global model,
+        runs ``on_round_start``, then freezes the plan."""
+        check = self.system.check_width if self.system is not None else None
+        rnd = self.rnd = Round(round_idx, self.rank, self.world_size, check_width=check)
+        rnd.draws = Counter(self.sample(round_idx))  # the distinct clients and how often each was drawn
+        rnd.cohort = tuple(sorted(rnd.draws))
+        rnd.multiplicity = tuple(rnd.draws[c] for c in rnd.cohort)
+        rnd.weights = {c: self.base_weight(c, 1) for c in rnd.cohort}
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
         # an empty batch and add nothing to the aggregate
-        runs = [c for c, k in zip(cohort, mult) for _ in range(k if self.cfg.duplicates == "repeat" else 1)]
+        repeat = self.cfg.duplicates == "repeat"
+        runs = [c for c, k in zip(rnd.cohort, rnd.multiplicity) for _ in range(k if repeat else 1)]
         shards = shard_greedy(runs, [self.expected_cost(c) for c in runs], self.world_size)
-        self._assign_copies(shards)
-        slots = max(len(s) for s in shards)
-        self.rnd = RoundContext(round_idx, cohort, mult, tuple(shards[self.rank]), self.rank, self.world_size, slots)
-        mine = sorted(set(self.rnd.shard))  # copy 0's seeds, for all of them at once
-        self._seeds = dict(zip(mine, derive_seeds(self.cfg.seed, round_idx, np.array(mine, dtype=np.int64)).tolist()))
+        rnd.shard, rnd.slots = tuple(shards[self.rank]), max(len(s) for s in shards)
+        rnd.copies, repeated = number_copies(shards, self.rank)
+        rnd.start_states = {c: self.store.get(c, self.params[0].device) for c in repeated}
+        mine = sorted(set(rnd.shard))  # copy 0's seeds, for all of them at once
+        rnd.seeds = dict(zip(mine, derive_seeds(self.cfg.seed, round_idx, np.array(mine, dtype=np.int64)).tolist()))
         with torch.no_grad():
             _copy(self.global_params, [p.detach() for p in self.params])
             _copy(self._global_floats, [b.detach() for b in self.float_buffers])
             _copy(self.global_other, [b.detach() for b in self.other_buffers])
         # the weighted mean adds weights pre-divided by the round's expected total: one client's mean is its model
-        self.aggregator.reset(sum(self.base_weight(c, k) for c, k in zip(cohort, self.rnd.multiplicity)))
-        if self.divergence.needs_reference():  # the global model is the initial one: nothing has trained yet
-            self._measure_reference(cohort)
-        self._state_updates: dict[int, dict[str, Tensor]] = {}
-        self._left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
+        self.aggregator.reset(sum(rnd.weights[c] * k for c, k in zip(rnd.cohort, rnd.multiplicity)))
+        if self.divergence.needs_reference():  # the global model is the initial one: this rank's share of L_0
+            rows = reference_rows(self.data.client_indices, rnd.cohort, self.rank, self.world_size)
+            if rows is not None:
+                self.buffer.count("initial_loss_sum", self.eval_loss(rows) * len(rows))
+                self.buffer.count("initial_rows", len(rows))
         for part in self._hooked["on_round_start"]:
-            part.on_round_start(self, self.rnd)
-        self._widths_open = False
-        return self.rnd
+            part.on_round_start(self, rnd)
+        rnd.freeze()
+        return rnd
 
-    def _measure_reference(self, cohort: Sequence[int], limit: int = REFERENCE_ROWS) -> None:
-        """This rank's share of the divergence rule's ``L_0`` (:class:`flx.faults.DivergenceWatch`): the task loss of
-        the global model on rows ``rank, rank + world_size, ...`` of the first ``limit`` rows of ``cohort``'s clients
-        (in cohort order), added to the round's counters. The round's one all-reduce sums the shares, so every rank
-        gets the same ``L_0`` (:meth:`end_round`) without a collective of its own."""
-        rows, count = [], 0
-        for cid in cohort:
-            if count >= limit:
-                break
-            rows.append(self.data.client_indices[cid])
-            count += len(rows[-1])
-        mine = torch.cat(rows)[:limit][self.rank :: self.world_size] if rows else None
-        if mine is not None and len(mine):
-            self.counters[COUNTERS.index("initial_loss_sum")] += self.eval_loss(mine) * len(mine)
-            self.counters[COUNTERS.index("initial_rows")] += len(mine)
+    def expected_cost(self, cid: int) -> int:
+        """The rows client ``cid``'s local training processes, ``K_i * min(B, n_i)``: what the shards balance (with
+        ``local_steps`` every client costs alike, whatever its size; with ``local_epochs`` the cost grows with
+        ``n_i``)."""
+        return self.client_steps(cid) * min(self.cfg.batch_size, self.num_samples(cid))
 
-    def _judge_divergence(self) -> None:
-        """Sets ``L_0`` after the first round's reduce (a cohort without rows leaves it to the next round), then
-        counts the round's training loss against the divergence rule."""
-        if self.divergence.factor is None:
-            return
-        if self.divergence.needs_reference():
-            rows = self.counted["initial_rows"]
-            if rows > 0:
-                self.divergence.set_reference(self.counted["initial_loss_sum"] / rows)
-        self.divergence.observe(self.rnd.round + 1, self.train_loss, self.knob)
+    def base_weight(self, cid: int, multiplicity: int) -> float:
+        """Aggregation weight before parts adjust it: ``n_i`` (or 1) times the times ``i`` was drawn."""
+        return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * multiplicity)
 
-    def knob(self) -> str:
-        """The setting a divergence message names, with its value (:func:`flx.faults.knob`): ``algo.server.lr``
-        when the last server step moved the global model farther than the clients' mean update, else ``algo.lr``."""
-        return knob(self.cfg, self.server_opt.amplification)
+    @torch.no_grad()
+    def load_global(self) -> None:
+        """Copies the round's global model into the net (in place, no allocation)."""
+        _copy(self.params, self.global_params)
+        _copy(self.float_buffers, self._global_floats)
+        _copy(self.other_buffers, self.global_other)
 
-    def set_width(self, cid: int, ratio: float) -> None:
-        """Records that client ``cid`` trains at width ratio ``ratio`` this round (default 1.0, the full model).
+    def train_clients(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
+        """Trains ``cids`` (this rank's shard of the round) with the run's client runner (:mod:`flx.clients`: one
+        after the other, or stacked with ``algo.vectorize``); ``after(cid)`` runs after each client (the progress
+        bar's tick)."""
+        self.runner.train(cids, after)
 
-        Only from ``sample_clients`` or ``on_round_start``, which run alike on every rank, so every rank prices the
-        round (``fed.clock``) the same; with a simulator, ``ratio`` must be one of ``fed.system.widths``.
-        """
-        if not self._widths_open:
-            raise RuntimeError("fed.set_width is for sample_clients / on_round_start (the same on every rank)")
-        if not 0 < ratio <= 1:
-            raise ValueError(f"width ratio {ratio!r}: must be in (0, 1]")
-        if self.system is not None:
-            self.system.check_width(ratio)
-        self._widths[int(cid)] = float(ratio)
-
-    def width(self, cid: int) -> float:
-        """The width ratio client ``cid`` trains at this round (:meth:`set_width`; 1.0 when none was set)."""
-        return self._widths.get(int(cid), 1.0)
-
-    def _assign_copies(self, shards: list[list[int]]) -> None:
-        """Numbers the copies of each client over the ranks in rank order (the same on every rank) and keeps this
-        rank's, in order, for :meth:`make_client`; copies start from the client's state at the round start."""
-        seen: dict[int, int] = {}
-        self._copies: dict[int, list[int]] = {}
-        for rank, shard in enumerate(shards):
-            for cid in shard:
-                j = seen[cid] = seen.get(cid, -1) + 1
-                if rank == self.rank:
-                    self._copies.setdefault(cid, []).append(j)
-        self._start_states = {cid: self.store.get(cid, self.params[0].device) for cid, k in seen.items() if k > 0}
+    def train_client(self, cid: int) -> Tensor | None:
+        """Local training of one client alone (:meth:`flx.clients.ClientRunner.train_client`); returns its mean loss,
+        or None for a client left out."""
+        return self.runner.train_client(cid)
 
     def end_round(self) -> None:
         """One collective reduce, the parts' server hooks, the server optimizer step.
@@ -343,27 +302,28 @@ class Federation:
                 judged before the server step: the clients trained from the model of the previous one), or the new
                 global model is not finite.
         """
-        self.aggregator.sync(self.reduce_sum if self.world_size > 1 else None)
-        self._read_counters()
-        self._share_client_states()
-        self.faults = self._round_faults()
-        self._judge_divergence()
-        if self.counted["aggregated"] > 0:
+        rnd = self.rnd
+        self.buffer.sync(self.reduce_sum if self.world_size > 1 else None)
+        counted = self.buffer.counted
+        if self.world_size > 1 and self.gather is not None and counted["stored"] > 0:
+            share_states(self.store, rnd.state_updates, self.gather, self.rank)
+        faults = gather_faults(rnd.left_out, counted, self.gather if self.world_size > 1 else None)
+        lower = self.knob() if faults.dropped else ""
+        aggregated, r = int(counted["aggregated"]), rnd.round + 1
+        self.faults = judge(faults, aggregated, len(rnd.cohort), r, self.cfg, warn=self.rank == 0, lower=lower)
+        self.divergence.judge(counted, rnd.round + 1, self.train_loss, self.knob)
+        if counted["aggregated"] > 0:
             self._server_step()
         else:  # no client of the round had usable rows: the global model stays as it was
             self.load_global()
-        self.server.round = self.rnd.round + 1
-        if self.clock is not None:
-            self._advance_clock()
+        self.server.round = rnd.round + 1
+        if self.clock is not None:  # priced on the simulator: the clients that trained, at their widths and steps
+            trained = [c for c in rnd.cohort if c not in self.faults.skipped]
+            self.clock.advance(
+                rnd.round, {c: rnd.width(c) for c in trained}, {c: self.client_steps(c) for c in trained}
+            )
         for part in self._hooked["on_round_end"]:
-            part.on_round_end(self, self.rnd)
-
-    def _advance_clock(self) -> None:
-        """Prices the round on the simulator: the clients that trained (skipped ones had no rows), at their widths
-        and local iterations (docs/systems.md)."""
-        trained = [c for c in self.rnd.cohort if c not in self.faults.skipped]
-        widths = {c: self.width(c) for c in trained}
-        self.clock.advance(self.rnd.round, widths, {c: self.client_steps(c) for c in trained})
+            part.on_round_end(self, rnd)
 
     def _server_step(self) -> None:
         mean = self.aggregator.compute(self.global_params + self._global_floats)
@@ -377,249 +337,6 @@ class Federation:
             _copy(self.other_buffers, self.global_other)
         check_global_model(self.local_state, self.rnd.round + 1, self.knob)
 
-    def _round_faults(self) -> RoundFaults:
-        """The round's dropped / skipped client ids on every rank (gathered only when the counters say so), judged
-        by the fault policy (:func:`flx.faults.judge`)."""
-        dropped, skipped, aggregated = (int(self.counted[k]) for k in COUNTERS[:3])
-        mine = self._left_out
-        if (dropped or skipped) and self.world_size > 1 and self.gather is not None:
-            everyone = self.gather(mine)
-            mine = {k: [c for part in everyone for c in part[k]] for k in mine}
-        faults = RoundFaults(tuple(sorted(mine["dropped"])), tuple(sorted(mine["skipped"])))
-        r, lower = self.rnd.round + 1, self.knob() if dropped else ""
-        return judge(faults, aggregated, len(self.rnd.cohort), r, self.cfg, warn=self.rank == 0, lower=lower)
-
-    def _share_client_states(self) -> None:
-        """Under N processes, every rank's store receives the client states updated on the other ranks.
-
-        A client may train on another rank next time it is sampled, so each rank keeps every client's state. The
-        all-gather runs only in rounds where some rank stored a client state (the reduced ``stored`` counter), so
-        parts without per-client state cost no collective beyond the round's reduce.
-        """
-        if self.world_size == 1 or self.gather is None or self.counted["stored"] == 0:
-            return
-        # the store's host copies (the state it was just given): no device read per tensor
-        cpu = {cid: self.store.get(cid) for cid in self._state_updates}
-        for rank, updates in enumerate(self.gather(cpu)):
-            if rank == self.rank:
-                continue
-            for cid, state in updates.items():
-                # a client drawn more than once keeps its last copy's state, as on one process: copies are numbered
-                # in rank order, so a later rank's copy wins and an earlier rank's does not replace this rank's own
-                if rank > self.rank or cid not in self._state_updates:
-                    self.store.put(cid, state)
-
-    # ------------------------------------------------------------------ client
-    def client_steps(self, cid: int) -> int:
-        if self.cfg.local_epochs is None:
-            return self.cfg.local_steps
-        return self.cfg.local_epochs * -(-self.num_samples(cid) // self.cfg.batch_size)
-
-    def expected_cost(self, cid: int) -> int:
-        """The rows client ``cid``'s local training processes, ``K_i * min(B, n_i)``: what the shards balance (with
-        ``local_steps`` every client costs alike, whatever its size; with ``local_epochs`` the cost grows with
-        ``n_i``)."""
-        return self.client_steps(cid) * min(self.cfg.batch_size, self.num_samples(cid))
-
-    def base_weight(self, cid: int, multiplicity: int) -> float:
-        """Aggregation weight before parts adjust it: ``n_i`` (or 1) times the times ``i`` was drawn."""
-        return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * multiplicity)
-
-    def make_client(self, cid: int) -> ClientContext:
-        """The next local run of ``cid`` on this rank: its weight, seeded streams and stored state."""
-        n = self.num_samples(cid)
-        repeat = self.cfg.duplicates == "repeat"
-        copy = self._copies[cid].pop(0) if repeat and self._copies.get(cid) else 0
-        draws = 1 if repeat else self._multiplicity[cid]
-        weight = self.base_weight(cid, draws)
-        # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
-        if copy or cid not in self._seeds:  # copy 0 of the shard's clients: drawn at once in begin_round
-            seed = derive_seed(self.cfg.seed, self.rnd.round, cid, *((copy,) if copy else ()))
-        else:
-            seed = self._seeds[cid]
-        # dropout & co. depend only on (seed, round, client). Not torch.manual_seed: on CUDA builds it records a
-        # stack trace per call for lazy CUDA seeding (~0.5 ms under Lightning's call stack)
-        torch.default_generator.manual_seed(seed)
-        if self.params[0].is_cuda:
-            torch.cuda.manual_seed(seed)
-        self._gen.manual_seed(seed)
-        if cid in self._start_states:  # a repeated client: every copy starts from the round-start state
-            state = {k: v.clone() for k, v in self._start_states[cid].items()}
-        else:
-            state = self.store.get(cid, self.params[0].device) if cid in self.store else {}
-        steps = self.client_steps(cid)
-        return ClientContext(cid, self.rnd, n, steps, float(weight), self._gen, state, draws=draws, copy=copy)
-
-    @torch.no_grad()
-    def load_global(self) -> None:
-        """Copies the round's global model into the net (in place, no allocation)."""
-        _copy(self.params, self.global_params)
-        _copy(self.float_buffers, self._global_floats)
-        _copy(self.other_buffers, self.global_other)
-
-    def train_clients(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
-        """Trains ``cids`` (this rank's shard of the round): one after the other (:meth:`train_client`), or stacked
-        (``algo.vectorize``, :mod:`flx.vectorized`); ``after(cid)`` runs after each client (the progress bar's tick)."""
-        if self.cfg.vectorize:
-            vectorized.train(self, cids, self._finish, after)
-            return
-        for cid in cids:
-            self.train_client(cid)
-            if after is not None:
-                after(cid)
-
-    def train_client(self, cid: int) -> Tensor | None:
-        """Local training of one client; adds its weighted model to the round's aggregate.
-
-        A client without enough rows (none, or one with BatchNorm) is skipped; one whose loss or update is not finite
-        is dropped (``fault_policy``); both are left out of the aggregate and counted in :attr:`faults`.
-
-        Returns:
-            The mean local training loss (detached scalar), or None for a client left out.
-        """
-        if self.num_samples(cid) < self.min_rows:  # empty, or one row with BatchNorm: nothing to train on
-            return self._finish(cid, None, None)
-        client = self.make_client(cid)
-        self.load_global()
-        if not self.net.training:  # evaluation and parts switch the whole net (its root) to eval and back
-            self.net.train()
-        for part in self._hooked["on_client_start"]:
-            part.on_client_start(self, client)
-        return self._finish(cid, client, self._local_update(client))
-
-    def _finish(self, cid: int, client: ClientContext | None, loss: Tensor | None) -> Tensor | None:
-        """A client's end, with its local model in the net: ``on_client_end``, the fault checks, the aggregate, the
-        stored state; ``client`` None: skipped for too few rows. Returns ``loss``, or None for a client left out."""
-        if client is None:
-            self._leave_out(cid, "skipped")
-            return None
-        # checked before on_client_end, so parts do not record a faulty client's statistics (scores, losses), and
-        # after it when parts may have changed the upload
-        if not all_finite([*self.local_state, loss]):
-            self._leave_out(cid, "dropped")
-            return None
-        for part in self._hooked["on_client_end"]:
-            part.on_client_end(self, client)
-        if self._hooked["on_client_end"] and not all_finite(self.local_state):
-            self._leave_out(cid, "dropped")
-            return None
-        self.aggregator.update(self.local_state, client.weight, client.masks)
-        self._loss_sum += loss if loss.dtype == self._loss_sum.dtype else loss.to(self._loss_sum.dtype)
-        self._aggregated_and_losses += 1
-        if client.state:
-            self.store.put(cid, client.state)
-            if self.world_size > 1:  # for the all-gather at the round end (one process holds no second copy)
-                self._state_updates[cid] = client.state
-            self.counters[COUNTERS.index("stored")] += 1
-        return loss
-
-    def _leave_out(self, cid: int, why: str) -> None:
-        """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
-        self._left_out[why].append(cid)
-        self.counters[COUNTERS.index(why)] += 1
-
-    def _local_update(self, client: ClientContext) -> Tensor:
-        """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""
-        for part in self._hooked["local_update"]:
-            loss = part.local_update(self, client)
-            if loss is not None:  # on the net's device, as the default steps' loss is
-                if isinstance(loss, Tensor):
-                    return loss.detach().to(torch.float64).reshape(())
-                return torch.full((), float(loss), dtype=torch.float64, device=self.params[0].device)
-        return self._local_steps(client) / max(client.num_steps, 1)
-
-    def client_batches(self, client: ClientContext) -> Iterator[Tensor]:
-        """The default minibatch stream of ``client``: its ``num_steps`` minibatches (row indices into the store),
-        drawn from ``client.generator`` as ``algo.minibatch`` says (reshuffled passes over its rows, or a fresh draw of
-        ``B`` rows per step; :data:`flx.sampling.MINIBATCH_STREAMS`). The one source of the local steps' rows: the
-        sequential steps, the stacked ones (:mod:`flx.vectorized`) and parts that replace the local steps."""
-        stream = MINIBATCH_STREAMS[self.cfg.minibatch]
-        idx = self.data.client_indices[client.cid]
-        return stream(idx, self.cfg.batch_size, client.num_steps, client.generator, self.min_rows)
-
-    def batch(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """``(x, y)`` of ``rows`` of the tensor store (rows held on the host, e.g. the server's, are copied to the
-        store's device first; the clients' rows are there already)."""
-        rows = rows.to(self.index_device)
-        return self.data.x[rows], self.data.y[rows]
-
-    # ------------------------------------------------------------------ derivatives at other parameters
-    def grad_at(self, params: Sequence[Tensor], rows: Tensor, create_graph: bool = False) -> list[Tensor]:
-        """``grad f(params; rows)`` of ``loss_fn`` for the net's trainable parameters at ``params`` (not the net's
-        values), without touching BatchNorm statistics, the net or the training step's RNG stream
-        (:func:`flx.autodiff.grad_at`)."""
-        with self.step_context():
-            return autodiff.grad_at(self.net, params, self.batch(rows), self.loss_fn, create_graph=create_graph)
-
-    def value_and_grad_at(self, params: Sequence[Tensor], rows: Tensor) -> tuple[Tensor, list[Tensor]]:
-        """The loss (detached) and :meth:`grad_at` of ``rows`` at ``params``, from one forward and backward pass."""
-        with self.step_context():
-            return autodiff.value_and_grad_at(self.net, params, self.batch(rows), self.loss_fn)
-
-    def hvp(
-        self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Sequence[Tensor] | None = None, **kw: Any
-    ) -> list[Tensor]:
-        """``H(params) v`` of ``loss_fn`` on ``rows`` (``params`` default: the net's current values); ``mode``:
-        ``exact`` (double backward), ``fd`` (finite differences of gradients) or ``none`` (zeros)
-        (:func:`flx.autodiff.hvp`)."""
-        at = [p.detach() for p in self.params] if params is None else list(params)
-        with self.step_context():
-            return autodiff.hvp(self.net, at, list(v), self.batch(rows), self.loss_fn, mode=mode, **kw)
-
-    def _local_steps(self, client: ClientContext) -> Tensor:
-        x, y, opt = self.data.x, self.data.y, self.local_opt
-        opt.state.clear()  # a fresh local optimizer per client
-        # plain SGD (FedAvg's default) steps without torch.optim's per-call bookkeeping (~50 us a step, flx.local_sgd)
-        plain = is_plain_sgd(opt)
-        zero_grad = (lambda: clear_grads(opt)) if plain else (lambda: opt.zero_grad(set_to_none=True))
-        step = (lambda: sgd_step(opt)) if plain else opt.step
-        losses: list[Tensor] = []  # summed once after the steps: one op per client, not one per step
-        default = self.client_batches(client)
-        if not any(self._hooked[h] for h in _STEP_HOOKS):
-            # no part looks inside the steps: the same steps without the per-step context (client.step, .rows,
-            # .batch, .outputs) that only step hooks read
-            net, loss_fn = self.net, self.loss_fn
-            with self.step_context():
-                for xb, yb in minibatches(x, y, default):  # exactly client.num_steps minibatches
-                    zero_grad()
-                    loss = loss_fn(net(xb), yb)
-                    loss.backward()
-                    step()
-                    losses.append(loss.detach())
-        else:
-            self._hooked_steps(client, default, zero_grad, step, losses)
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.params[0].device)
-
-    def _hooked_steps(
-        self,
-        client: ClientContext,
-        default: Iterator[Tensor],
-        zero_grad: Callable[[], None],
-        step: Callable[[], Any],
-        losses: list[Tensor],
-    ) -> None:
-        """The local steps with the parts' step hooks and the per-step client context; appends each step's loss."""
-        x, y = self.data.x, self.data.y
-        with self.step_context():
-            for k in range(client.num_steps):
-                client.step = k
-                rows = self._part_batch(client)
-                rows = next(default) if rows is None else rows  # the default stream advances only when used
-                client.rows, client.batch = rows, (x[rows], y[rows])
-                zero_grad()
-                client.outputs = self.net(client.batch[0])
-                loss = self.loss_fn(client.outputs, client.batch[1])
-                for part in self._hooked["local_loss"]:
-                    loss = part.local_loss(self, client, loss)
-                loss.backward()
-                for part in self._hooked["on_local_grad"]:
-                    part.on_local_grad(self, client)
-                step()
-                for part in self._hooked["on_local_step_end"]:
-                    part.on_local_step_end(self, client)
-                losses.append(loss.detach())
-        client.rows = client.batch = client.outputs = None
-
     # ------------------------------------------------------------------ personalised evaluation
     def parts_with(self, hook: str) -> list[FederatedCallback]:
         """The parts that override ``hook``, in part order."""
@@ -632,36 +349,6 @@ class Federation:
     def evaluate_clients(self, data: evaluation.ClientRows, metric: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """A metric of every client's personalised model on its own rows (:func:`flx.evaluation.evaluate_clients`)."""
         return evaluation.evaluate_clients(self, data, metric)
-
-    def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:
-        """Mean ``loss_fn`` of the net's current model over ``rows`` of the store, outside training.
-
-        The net runs in eval mode (no dropout, no BatchNorm statistics update) inside the step context and is put
-        back in its previous mode; no random number is drawn. ``loss_fn`` must return a batch mean.
-        """
-        return float(self.eval_loss_tensor(rows, chunk))
-
-    @torch.no_grad()
-    def eval_loss_tensor(self, rows: Tensor, chunk: int = 4096) -> Tensor:
-        """:meth:`eval_loss` as a float64 scalar on the net's device (no host sync: for use inside local steps)."""
-        was_training = self.net.training
-        rows = rows.to(self.index_device)
-        self.net.eval()
-        try:
-            with self.step_context():
-                total = sum(
-                    self.loss_fn(self.net(self.data.x[r]), self.data.y[r]).double() * len(r) for r in rows.split(chunk)
-                )
-        finally:
-            self.net.train(was_training)
-        return total / len(rows)
-
-    def _part_batch(self, client: ClientContext) -> Tensor | None:
-        for part in self._hooked["sample_batch"]:
-            rows = part.sample_batch(self, client)
-            if rows is not None:
-                return rows
-        return None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -681,5 +368,4 @@ class Federation:
             self.clock.load_state_dict(state["sim_clock"])
         if "divergence" in state:  # a checkpoint of an older flx: the initial loss is measured at the next round
             self.divergence.load_state_dict(state["divergence"])
-        if hasattr(self, "server_opt"):
-            self.server_opt.load_state_dict(self.server.optimizer)
+        self.server_opt.load_state_dict(self.server.optimizer)

@@ -5,11 +5,12 @@ so it is saved with the checkpoint). Parts are listed in the algorithm config; h
 Every hook is optional; the federation calls a hook only on the parts that override it.
 
 Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, then
-``check_federation(datamodule, fed, net)`` once the federation (its settings, its simulated system) and the net are
-built, both before anything is written into the run folder and before the Trainer exists, so a part that cannot use
-the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a step-counting part with
-``local_epochs``, WHALE without simulated devices) stops the run with one line. ``metric_names()`` says which metric
-keys the part logs (what ``checkpoint.monitor`` may name; checked at build time too).
+``check_federation(datamodule, fed, net)`` once what the federation is built from (its settings, its simulated
+system) and the net are, both before anything is written into the run folder and before the Trainer exists, so a
+part that cannot use the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a
+step-counting part with ``local_epochs``, WHALE without simulated devices) stops the run with one line.
+``metric_names()`` says which metric keys the part logs (what ``checkpoint.monitor`` may name; checked at build
+time too).
 
 ``on_attach(fed)`` runs when the federation is bound to the net and the data (fit start): a part declares its
 per-round statistics there (``fed.register_stat``), which ride in the round's one all-reduce, and creates its
@@ -44,17 +45,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 
-from flx.context import ClientContext, FederationConfig, RoundContext
-
-if TYPE_CHECKING:  # for annotations only: the core imports this module, never the reverse at run time
-    from flx.federation import Federation
-    from flx.vectorized import Cohort
+from flx.context import ClientContext, Cohort, FederationConfig, FederationSpec, FederationView, Round
 
 # the headline of a part that personalises (``personalize``): its clients' mean personalised metric, the task's
 # accuracy or MSE (``{split}/personal_<acc|mse>_mean``)
@@ -100,12 +97,13 @@ class FederatedCallback(Callback):
         prints anything.
         """
 
-    def check_federation(self, datamodule: Any, fed: Federation, net: nn.Module) -> None:
+    def check_federation(self, datamodule: Any, fed: FederationSpec, net: nn.Module) -> None:
         """After :meth:`check_setup`, before anything is written and before the Trainer starts: raise a ConfigError
         for a federation or net the part cannot run on.
 
-        ``fed`` is built but not attached (``fed.cfg`` and ``fed.system`` are set; no data or net bound yet), ``net``
-        the run's model, ``datamodule`` as in :meth:`check_setup`.
+        ``fed`` is what the federation will be built from (:class:`flx.context.FederationSpec`: ``fed.cfg``,
+        ``fed.store``, ``fed.system``; no data or net bound yet), ``net`` the run's model, ``datamodule`` as in
+        :meth:`check_setup`.
         """
 
     def metric_names(self) -> tuple[str, ...]:
@@ -115,21 +113,21 @@ class FederatedCallback(Callback):
         build time, after :meth:`check_setup`. None by default: a part that logs nothing."""
         return ()
 
-    def on_attach(self, fed: Federation) -> None:
+    def on_attach(self, fed: FederationView) -> None:
         """Fit start, every rank: the federation holds the net and the data. Declare per-round statistics here
         (:meth:`~flx.federation.Federation.register_stat`) and create per-round state (no ``hasattr`` later)."""
 
-    def sample_clients(self, fed: Federation, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:
+    def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:
         """Returns the cohort (client ids; repeats allowed and count as multiplicity), or None to defer."""
         return None
 
-    def on_round_start(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         """Server, every rank: the cohort is known, no client has trained yet."""
 
-    def on_client_start(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         """Client: the net holds the global weights; ``client.state`` holds the stored client state."""
 
-    def local_update(self, fed: Federation, client: ClientContext) -> Tensor | None:
+    def local_update(self, fed: FederationView, client: ClientContext) -> Tensor | None:
         """Client: replaces the ``K`` local SGD steps, or None to defer (the first non-None wins).
 
         The net holds ``w^t`` (after ``on_client_start``); leave the client's local model in the net (what is
@@ -138,7 +136,7 @@ class FederatedCallback(Callback):
         """
         return None
 
-    def sample_batch(self, fed: Federation, client: ClientContext) -> Tensor | None:
+    def sample_batch(self, fed: FederationView, client: ClientContext) -> Tensor | None:
         """Client, every local step: row indices of the step's minibatch in the tensor store, or None to defer.
 
         The default is ``fed.client_batches(client)`` (``algo.minibatch``: reshuffled epochs of the client's rows, or a
@@ -147,34 +145,34 @@ class FederatedCallback(Callback):
         """
         return None
 
-    def local_loss(self, fed: Federation, client: ClientContext, loss: Tensor) -> Tensor:
+    def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
         """Client, every local step: returns the local objective (``client.outputs`` / ``client.batch`` given)."""
         return loss
 
-    def on_local_grad(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         """Client, every local step: gradients are in ``p.grad``; transform them in place."""
 
-    def on_local_step_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
         """Client, every local step: after the optimizer step."""
 
-    def on_client_end(self, fed: Federation, client: ClientContext) -> None:
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         """Client: local training done; the net holds the local model; ``client.weight`` is the weight."""
 
-    def on_cohort_grad(self, fed: Federation, cohort: Cohort) -> None:
+    def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         """Vectorised clients (``algo.vectorize``), every local step: ``cohort.grads`` hold the stacked gradients of
         ``cohort.params``; transform them in place (the cohort form of ``on_local_grad``; :mod:`flx.vectorized`)."""
 
-    def on_cohort_step_end(self, fed: Federation, cohort: Cohort) -> None:
+    def on_cohort_step_end(self, fed: FederationView, cohort: Cohort) -> None:
         """Vectorised clients, every local step: after the stacked optimizer step (the cohort form of
         ``on_local_step_end``)."""
 
-    def on_server_step(self, fed: Federation, rnd: RoundContext, mean: list[Tensor]) -> None:
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         """Server, every rank: ``mean`` is the reduced aggregate (params then float buffers); edit in place."""
 
-    def on_round_end(self, fed: Federation, rnd: RoundContext) -> None:
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
         """Server, every rank: the net holds the new global model."""
 
-    def personalize(self, fed: Federation, cid: int) -> AbstractContextManager | None:
+    def personalize(self, fed: FederationView, cid: int) -> AbstractContextManager | None:
         """Evaluation: a context manager that makes the net client ``cid``'s personalised model and restores it on
         exit, or None (the client is evaluated with the global model)."""
         return None

@@ -52,10 +52,30 @@ def sgd_step(opt: torch.optim.SGD) -> None:
     if any(p.grad.is_sparse for _, params in groups for p in params):
         opt.step()
         return
-    with torch.no_grad():
-        for lr, params in groups:
-            if params:
-                torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
+    for lr, params in groups:
+        if params:
+            sgd_update(params, [p.grad for p in params], None, lr)
+
+
+@torch.no_grad()
+def sgd_update(
+    params: list[Tensor], grads: list[Tensor], buf: list[Tensor] | None, lr: float, beta: float = 0.0, wd: float = 0.0
+) -> list[Tensor] | None:
+    """The local steps' one update rule, ``torch.optim.SGD``'s (dampening 0, no Nesterov), on any list of tensors:
+    the net's parameters (:func:`sgd_step`) or the stacked clients' ``(m, ...)`` (:class:`flx.vectorized.Stacked`).
+    ``g += wd p``; ``buf = beta buf + g`` (``g`` itself at the first step: ``buf`` None); ``p -= lr buf``. Returns
+    the momentum buffers (None without momentum)."""
+    if wd:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    if beta:
+        if buf is None:
+            buf = [g.clone() for g in grads]
+        else:
+            torch._foreach_mul_(buf, beta)
+            torch._foreach_add_(buf, grads)
+        grads = buf
+    torch._foreach_add_(params, grads, alpha=-lr)
+    return buf
 
 
 LABEL_ROWS = 1 << 16

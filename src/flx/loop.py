@@ -21,7 +21,6 @@ Tested against Lightning 2.6 (pinned in ``pyproject.toml``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -32,30 +31,16 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 from typing_extensions import override
 
 from flx import signals
+from flx.datamodules.round_loader import RoundLoader
 
 if TYPE_CHECKING:
     from flx.federation import Federation
 
 
-class RoundLoader:
-    """The train "dataloader": yields one batch per round, the tuple of this rank's client ids to train.
-
-    Every rank yields exactly one batch per round (an empty tuple when it has no client), because Lightning runs
-    collectives per batch in DDP. It has no ``__len__`` on purpose: the loop sets ``max_batches = 1`` at each round
-    start.
-    """
-
-    def __init__(self) -> None:
-        self.clients: tuple[int, ...] = ()
-
-    def __iter__(self) -> Iterator[tuple[int, ...]]:
-        return iter((self.clients,))
-
-
 def _federation(trainer: pl.Trainer) -> Federation:
     fed = getattr(trainer.lightning_module, "federation", None)
     if fed is None:
-        raise TypeError("flx loops need a LightningModule with a `federation` attribute (flx.models.FederatedModule)")
+        raise TypeError("flx loops need a LightningModule with a `federation` attribute (flx.module.FederatedModule)")
     return fed
 
 

@@ -1,6 +1,6 @@
 """The ``server.*`` config keys of the server-side resources, checked before the run (torch-free).
 
-:mod:`flx.resources` builds what these keys name; :func:`flx.config.validate` runs :func:`check_server`.
+:mod:`flx.resources` builds what these keys name; :func:`flx.checks.validate` runs :func:`check_server`.
 """
 
 from __future__ import annotations

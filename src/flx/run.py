@@ -22,13 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx import loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
-from flx.config import check_monitor, data_protocol, one_line, validate
+from flx.checks import check_monitor, validate
 from flx.console import final_line, headline
 from flx.datamodules import prefetch
 from flx.datamodules.datamodule import FederatedDataModule
+from flx.datamodules.protocol import data_protocol
 from flx.determinism import cuda_determinism
-from flx.errors import ConfigError, bad_value, instantiate
-from flx.federation import Federation, FederationConfig
+from flx.errors import ConfigError, bad_value, instantiate, one_line
+from flx.federation import FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import (
     fork_ranks,
@@ -42,7 +43,7 @@ from flx.launch import (
     threads_until_fork,
 )
 from flx.models.build import net_from_config as build_net
-from flx.models.module import FederatedModule, metric_names
+from flx.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint
 from flx.server import ServerOptConfig
@@ -187,7 +188,7 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         set_threads(by_work(resolve_threads(AUTO, cfg.trainer), flops))  # 1 thread for a small step
     store = ClientStateStore(cfg.state_store.backend, cfg.state_store.get("dir"))
     fed_cfg = federation_config(cfg, dm.clients.num_train_clients)
-    fed = Federation(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
+    fed = FederationSpec(fed_cfg, store, system=build_system(cfg, fed_cfg, net))
     module = FederatedModule(
         net, fed, dm.data.num_classes, dm.metric_clients(), fingerprint=fingerprint(cfg), task=task
     )
@@ -197,11 +198,11 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
 
 
 def check_parts(
-    cfg: DictConfig, dm: FederatedDataModule, fed: Federation, net: torch.nn.Module, task: Task, parts: list[Any]
+    cfg: DictConfig, dm: FederatedDataModule, fed: FederationSpec, net: torch.nn.Module, task: Task, parts: list[Any]
 ) -> None:
     """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
     part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
-    against the keys the task and parts log (:func:`flx.config.check_monitor`)."""
+    against the keys the task and parts log (:func:`flx.checks.check_monitor`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
     for part in fed_parts:
         part.check_setup(dm, fed.cfg)

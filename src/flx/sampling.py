@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flx import choices
+
 SAMPLE_TAG = 0x5A  # distinguishes the cohort stream from client streams in the seed sequence
 
 
@@ -112,6 +114,20 @@ def shard_greedy(cids: Sequence[int], sizes: Sequence[int], world_size: int) -> 
         shards[r].append(cid)
         loads[r] += size
     return [sorted(s) for s in shards]
+
+
+def number_copies(shards: Sequence[Sequence[int]], rank: int) -> tuple[dict[int, list[int]], set[int]]:
+    """The copies of each client (an id placed more than once: ``duplicates=repeat``) numbered over the ranks in rank
+    order, the same on every rank. Returns ``rank``'s copy numbers per client, in its shard's order, and the ids with
+    more than one copy (which all start from the client's round-start state)."""
+    seen: dict[int, int] = {}
+    mine: dict[int, list[int]] = {}
+    for r, shard in enumerate(shards):
+        for cid in shard:
+            j = seen[cid] = seen.get(cid, -1) + 1
+            if r == rank:
+                mine.setdefault(cid, []).append(j)
+    return mine, {cid for cid, last in seen.items() if last > 0}
 
 
 LAZY_MIN_ROWS = 8192
@@ -241,5 +257,6 @@ def fresh_batches(
 
 BatchStream = Callable[[Rows, int, int, torch.Generator, int], Iterator[Tensor]]
 """``stream(indices, batch_size, steps, gen, min_rows)``: a client's ``steps`` minibatches (row indices)."""
-MINIBATCH_STREAMS: dict[str, BatchStream] = {"epochs": local_batches, "fresh": fresh_batches}
-"""``algo.minibatch``: how a client's local minibatches are drawn (:func:`local_batches`, :func:`fresh_batches`)."""
+MINIBATCH_STREAMS: dict[str, BatchStream] = dict(zip(choices.MINIBATCH, (local_batches, fresh_batches), strict=True))
+"""``algo.minibatch``: how a client's local minibatches are drawn (:func:`local_batches`, :func:`fresh_batches`); the
+names are :data:`flx.choices.MINIBATCH`."""

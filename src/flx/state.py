@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -323,3 +323,24 @@ class ServerState:
 
     round: int = 0
     optimizer: dict[str, Any] = field(default_factory=dict)
+
+
+def share_states(
+    store: ClientStateStore, updates: dict[int, Any], gather: Callable[[Any], list[Any]], rank: int
+) -> None:
+    """Under N processes, every rank's ``store`` receives the client states updated on the other ranks this round
+    (``updates``: the ids this rank stored; ``gather``: the all-gather of a picklable object, rank order).
+
+    A client may train on another rank next time it is sampled, so each rank keeps every client's state. The caller
+    runs this only in rounds where some rank stored a state (the reduced ``stored`` counter), so parts without
+    per-client state cost no collective beyond the round's reduce. A client drawn more than once keeps its last copy's
+    state, as on one process: copies are numbered in rank order, so a later rank's copy wins and an earlier rank's
+    does not replace this rank's own.
+    """
+    mine = {cid: store.get(cid) for cid in updates}  # the store's host copies: no device read per tensor
+    for other, theirs in enumerate(gather(mine)):
+        if other == rank:
+            continue
+        for cid, state in theirs.items():
+            if other > rank or cid not in updates:
+                store.put(cid, state)

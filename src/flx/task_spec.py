@@ -1,5 +1,5 @@
 """Which task a config asks for, and whether the data, partition and algorithm suit it; torch-free, so the pre-run
-check (:func:`flx.config.validate`) can use it. The tasks themselves (losses, metrics) are in :mod:`flx.tasks`.
+check (:func:`flx.checks.validate`) can use it. The tasks themselves (losses, metrics) are in :mod:`flx.tasks`.
 
 A data config says what its targets are with ``data.targets``: ``classes`` (int64 labels, the default when the key is
 absent), ``real`` (float targets: regression, ``data=diabetes``) or ``tokens`` (int64 ids per position, ``-100`` where

@@ -1,7 +1,7 @@
 r"""Tasks: what the net's outputs are scored against, in training (the loss) and in evaluation (the metrics).
 
 A task is the ``task=`` config group (``configs/task/``), built with Hydra's ``instantiate`` by :func:`flx.run.build`
-and handed to :class:`~flx.models.module.FederatedModule`. It gives
+and handed to :class:`~flx.module.FederatedModule`. It gives
 
 - ``loss(outputs, target)``: the batch-mean loss. The federation's local steps minimise it (``loss_fn``, also
   ``Federation.eval_loss``) and evaluation logs its mean over a split's rows as ``{split}/loss``;
@@ -332,7 +332,7 @@ def token_nll(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     r"""Per position ``(-log softmax(o)_{y}) [y != -100]`` and the 0/1 scored mask, both ``target``'s shape.
 
     Written with ``gather`` rather than ``F.cross_entropy(ignore_index=...)`` so that it runs under ``torch.func.vmap``
-    (the per-sample Fisher of :mod:`flx.callbacks.whale_utility`)."""
+    (the per-sample Fisher of :mod:`flx.parts.whale_utility`)."""
     scored = target != IGNORE
     nll = -outputs.log_softmax(-1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (B, L)
     return nll * scored, scored

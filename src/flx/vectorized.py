@@ -1,6 +1,6 @@
 """Vectorised client execution (``algo.vectorize=true``): a rank's shard trained at once with ``torch.func``.
 
-The sequential path (:meth:`flx.federation.Federation.train_client`) runs client after client through the one net.
+The sequential path (:class:`flx.clients.Sequential`) runs client after client through the one net.
 Here the clients' models are stacked along a leading cohort dimension ``m``, and each local step is one stacked
 forward, every client's own loss, one ``torch.autograd.grad`` of their sum (client ``i``'s loss depends on ``w_i``
 only, so it gives every client's gradient) and the same update as ``torch.optim.SGD`` (weight decay, then momentum,
@@ -31,21 +31,18 @@ replaces the whole local update (``local_update``) cannot be vectorised: :func:`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from flx.context import ClientContext
+from flx.clients import ClientRunner
+from flx.context import ClientContext, Cohort, Core
 from flx.errors import ConfigError
-
-if TYPE_CHECKING:
-    from flx.federation import Federation
-    from flx.hooks import FederatedCallback
+from flx.hooks import FederatedCallback, overrides
+from flx.local_sgd import sgd_update
 
 # per-step client hooks and the cohort hooks that stand for them; the whole-run replacements have none
 COHORT_FORM = {"on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"}
@@ -59,36 +56,8 @@ ROWWISE = (
 )  # fmt: skip
 
 
-@dataclass
-class Cohort:
-    """A group of clients trained together; what ``on_cohort_grad`` / ``on_cohort_step_end`` receive.
-
-    Attributes:
-        clients: the clients, in the order of the stacked dimension.
-        params: the clients' current parameters, one ``(m, *p.shape)`` tensor per trainable parameter of the net.
-        grads: at ``on_cohort_grad``, the step's gradients shaped like ``params`` (edit in place); None otherwise.
-        step: the local step ``k`` (0-based).
-        rows: the step's minibatch rows, ``(m, B)``: client ``i``'s are ``rows[i, :sizes[i]]`` (the rest pads).
-        sizes: the clients' minibatch sizes at this step.
-    """
-
-    clients: list[ClientContext]
-    params: list[Tensor]
-    grads: list[Tensor] | None = None
-    step: int = 0
-    rows: Tensor | None = None
-    sizes: list[int] = field(default_factory=list)
-
-    def local_state(self, fed: Federation, i: int) -> list[Tensor]:
-        """Client ``i``'s upload as the sequential path has it in ``fed.local_state``: its parameters (views into
-        :attr:`params`), then the net's float buffers (which no vectorisable net changes in training)."""
-        return [p[i] for p in self.params] + [b.detach() for b in fed.float_buffers]
-
-
 def check(net: nn.Module, parts: Sequence[FederatedCallback]) -> None:
     """Raises a one-line :class:`ConfigError` when ``algo.vectorize=true`` cannot train this net with these parts."""
-    from flx.hooks import overrides
-
     layer = next((m for m in net.modules() if isinstance(m, _RANDOM_OR_STATEFUL) and _active(m)), None)
     if layer is not None:
         raise ConfigError(
@@ -111,95 +80,92 @@ def _active(module: nn.Module) -> bool:
     return not isinstance(module, nn.modules.dropout._DropoutNd) or module.p > 0
 
 
-def train(
-    fed: Federation,
-    cids: Sequence[int],
-    finish: Callable[[int, ClientContext | None, Tensor | None], object],
-    after: Callable[[int], None] | None = None,
-) -> None:
-    """Trains ``cids`` (the rank's shard, in order) as stacked cohorts; then, per client in shard order and with the
-    client's model in the net, ``finish(cid, client, loss)`` (``client`` None: skipped for too few rows) and
-    ``after(cid)``."""
-    runs: list[tuple[int, ClientContext | None]] = []
-    fed.load_global()
-    if not fed.net.training:
-        fed.net.train()
-    for cid in cids:
-        if fed.num_samples(cid) < fed.min_rows:
-            runs.append((cid, None))
-            continue
-        client = fed.make_client(cid)
-        # the federation reseeds one generator per client; stacked clients draw all along, each from its own copy
-        client.generator = _copy_of(client.generator)
-        for part in fed.parts_with("on_client_start"):
-            part.on_client_start(fed, client)
-        runs.append((cid, client))
-    groups: dict[int, list[int]] = {}
-    for j, (_, client) in enumerate(runs):
-        if client is not None:
-            groups.setdefault(client.num_steps, []).append(j)
-    trained: dict[int, tuple[list[Tensor], Tensor]] = {}
-    for members in groups.values():
-        params, losses = _train_group(fed, [runs[j][1] for j in members])
-        trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
-    for j, (cid, client) in enumerate(runs):
-        if client is None:
-            finish(cid, None, None)
-        else:
-            local, loss = trained[j]
-            with torch.no_grad():
-                torch._foreach_copy_(fed.params, local)
-            finish(cid, client, loss)
-        if after is not None:
-            after(cid)
+class Stacked(ClientRunner):
+    """The shard trained as stacked cohorts (clients with the same step count together); then, per client in shard
+    order and with the client's model in the net, its end (:meth:`ClientRunner.collect`) and ``after(cid)``."""
+
+    def train(self, cids: Sequence[int], after: Callable[[int], None] | None = None) -> None:
+        fed = self.fed
+        runs: list[tuple[int, ClientContext | None]] = []
+        fed.load_global()
+        if not fed.net.training:
+            fed.net.train()
+        for cid in cids:
+            if fed.num_samples(cid) < fed.min_rows:
+                runs.append((cid, None))
+                continue
+            client = self.make_client(cid)
+            # make_client reseeds one generator per client; stacked clients draw all along, each from its own copy
+            client.generator = _copy_of(client.generator)
+            for part in fed.parts_with("on_client_start"):
+                part.on_client_start(fed, client)
+            runs.append((cid, client))
+        groups: dict[int, list[int]] = {}
+        for j, (_, client) in enumerate(runs):
+            if client is not None:
+                groups.setdefault(client.num_steps, []).append(j)
+        trained: dict[int, tuple[list[Tensor], Tensor]] = {}
+        for members in groups.values():
+            params, losses = self._train_group([runs[j][1] for j in members])
+            trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
+        for j, (cid, client) in enumerate(runs):
+            if client is None:
+                self.collect(cid, None, None)
+            else:
+                local, loss = trained[j]
+                with torch.no_grad():
+                    torch._foreach_copy_(fed.params, local)
+                self.collect(cid, client, loss)
+            if after is not None:
+                after(cid)
+
+    def _train_group(self, clients: list[ClientContext]) -> tuple[list[Tensor], Tensor]:
+        """``K`` local steps of ``m`` clients with the same step count; returns their parameters ``(m, ...)`` and
+        mean losses ``(m,)``.
+
+        Each step draws every client's rows as the sequential path does (:meth:`ClientRunner.step_rows`, from the
+        client's own generator), runs the stacked forward, then each client's loss on its own rows: the task's loss
+        and the parts' ``local_loss`` with ``client.rows``, ``client.batch``, ``client.outputs`` and ``client.step``
+        set as in the sequential step; the step is :func:`flx.local_sgd.sgd_update` on the stacked tensors.
+        """
+        fed = self.fed
+        m, cfg = len(clients), fed.cfg
+        folded = foldable(fed.net)
+        # a folded net's weights are stored transposed, (m, in, out): the gradient of baddbmm(x, W^T) then comes out
+        # in the storage's own layout, and the SGD step adds contiguous tensors (~3x faster than through the transpose)
+        flip = [folded and g.dim() == 2 for g in fed.global_params]
+        leaves = [_stack(g.t().contiguous() if f else g, m).requires_grad_() for g, f in zip(fed.global_params, flip)]
+        params = [w.mT if f else w for w, f in zip(leaves, flip)]  # (m, *p.shape): views of the leaves
+        forward = _folded(fed, m) if folded else _vmapped(fed)
+        cohort, momentum = Cohort(clients, params), None
+        streams = [fed.client_batches(client) for client in clients]
+        losses = params[0].new_zeros(m, requires_grad=False)
+        steps = clients[0].num_steps
+        with fed.step_context():
+            for k in range(steps):
+                own = [self.step_rows(client, k, stream) for client, stream in zip(clients, streams)]
+                cohort.step, cohort.sizes = k, [len(r) for r in own]
+                rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
+                out = forward(leaves, fed.data.x[rows], cohort.sizes)
+                loss = _cohort_loss(fed, clients, own, rows, out)
+                grads = torch.autograd.grad(loss.sum(), leaves)  # client i's loss depends on w_i only
+                cohort.grads = [g.mT if f else g for g, f in zip(grads, flip)]  # views: hooks edit the leaves' grads
+                for part in fed.parts_with("on_cohort_grad"):
+                    part.on_cohort_grad(fed, cohort)
+                momentum = sgd_update(leaves, list(grads), momentum, cfg.lr, cfg.momentum, cfg.weight_decay)
+                cohort.grads = None
+                for part in fed.parts_with("on_cohort_step_end"):
+                    part.on_cohort_step_end(fed, cohort)
+                losses += loss.detach().to(losses.dtype)
+        for client in clients:
+            client.rows = client.batch = client.outputs = None
+        return [p.detach() for p in params], losses / max(steps, 1)
 
 
 def _copy_of(gen: torch.Generator) -> torch.Generator:
     own = torch.Generator(gen.device)
     own.set_state(gen.get_state())
     return own
-
-
-def _train_group(fed: Federation, clients: list[ClientContext]) -> tuple[list[Tensor], Tensor]:
-    """``K`` local steps of ``m`` clients with the same step count; returns their parameters ``(m, ...)`` and mean
-    losses ``(m,)``.
-
-    Each step draws every client's rows as the sequential path does (a part's ``sample_batch``, else the client's
-    default stream, from the client's own generator), runs the stacked forward, then each client's loss on its own
-    rows: the task's loss and the parts' ``local_loss`` with ``client.rows``, ``client.batch``, ``client.outputs`` and
-    ``client.step`` set as in the sequential step.
-    """
-    m, cfg = len(clients), fed.cfg
-    folded = foldable(fed.net)
-    # a folded net's weights are stored transposed, (m, in, out): the gradient of baddbmm(x, W^T) then comes out in
-    # the storage's own layout, and the SGD step adds contiguous tensors (~3x faster than through the transpose)
-    flip = [folded and g.dim() == 2 for g in fed.global_params]
-    leaves = [_stack(g.t().contiguous() if f else g, m).requires_grad_() for g, f in zip(fed.global_params, flip)]
-    params = [w.mT if f else w for w, f in zip(leaves, flip)]  # (m, *p.shape): views of the leaves
-    forward = _folded(fed, m) if folded else _vmapped(fed)
-    cohort, momentum = Cohort(clients, params), None
-    streams = [fed.client_batches(client) for client in clients]
-    losses = params[0].new_zeros(m, requires_grad=False)
-    steps = clients[0].num_steps
-    with fed.step_context():
-        for k in range(steps):
-            own = [_rows(fed, client, k, stream) for client, stream in zip(clients, streams)]
-            cohort.step, cohort.sizes = k, [len(r) for r in own]
-            rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
-            out = forward(leaves, fed.data.x[rows], cohort.sizes)
-            loss = _cohort_loss(fed, clients, own, rows, out)
-            grads = torch.autograd.grad(loss.sum(), leaves)  # client i's loss depends on w_i only
-            cohort.grads = [g.mT if f else g for g, f in zip(grads, flip)]  # views: hooks edit the leaves' grads
-            for part in fed.parts_with("on_cohort_grad"):
-                part.on_cohort_grad(fed, cohort)
-            momentum = _sgd_step(leaves, list(grads), momentum, cfg.lr, cfg.momentum, cfg.weight_decay)
-            cohort.grads = None
-            for part in fed.parts_with("on_cohort_step_end"):
-                part.on_cohort_step_end(fed, cohort)
-            losses += loss.detach().to(losses.dtype)
-    for client in clients:
-        client.rows = client.batch = client.outputs = None
-    return [p.detach() for p in params], losses / max(steps, 1)
 
 
 def _stack(w: Tensor, m: int) -> Tensor:
@@ -209,17 +175,7 @@ def _stack(w: Tensor, m: int) -> Tensor:
     return out
 
 
-def _rows(fed: Federation, client: ClientContext, k: int, stream: Iterator[Tensor]) -> Tensor:
-    """Client ``client``'s rows at step ``k``: the first part's ``sample_batch``, else its default stream's next."""
-    client.step = k
-    for part in fed.parts_with("sample_batch"):
-        rows = part.sample_batch(fed, client)
-        if rows is not None:
-            return rows
-    return next(stream)  # the default stream advances only when used, as on the sequential path
-
-
-def _cohort_loss(fed: Federation, clients: list[ClientContext], own: list[Tensor], rows: Tensor, out: Tensor) -> Tensor:
+def _cohort_loss(fed: Core, clients: list[ClientContext], own: list[Tensor], rows: Tensor, out: Tensor) -> Tensor:
     """The clients' losses at this step, ``(m,)``, without ``local_loss`` parts in as few calls as the task allows:
     with a task's per-row loss (``loss_rows``, e.g. cross-entropy), one call on the whole stack, each client's mean over
     its own rows (padding left out); else the task's loss ``vmap``-ed over the clients of each batch size. Per client
@@ -263,7 +219,7 @@ def _losses_by_size(loss_fn: Callable[[Tensor, Tensor], Tensor], out: Tensor, y:
     return torch.cat(parts)[inverse.to(out.device)]
 
 
-def _client_loss(fed: Federation, client: ClientContext, rows: Tensor, outputs: Tensor) -> Tensor:
+def _client_loss(fed: Core, client: ClientContext, rows: Tensor, outputs: Tensor) -> Tensor:
     """One client's local objective at this step: the task's loss of its rows, then the parts' ``local_loss``."""
     client.rows, client.batch, client.outputs = rows, fed.batch(rows), outputs
     loss = fed.loss_fn(outputs, client.batch[1])
@@ -295,7 +251,7 @@ def _rowwise(mod: nn.Module) -> bool:
     return isinstance(mod, ROWWISE) or getattr(type(mod), "rowwise", False)
 
 
-def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
+def _folded(fed: Core, m: int) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
     """The cohort folded into the batch: ``x`` ``(m, B, ...)`` runs as ``(m B, ...)`` through the net, each linear
     layer a batched matrix product of client ``i``'s rows with client ``i``'s weights, given transposed,
     ``(m, in, out)``; returns ``(m, B, ...)``. Rows are mapped on their own, so padding rows change nothing."""
@@ -310,7 +266,7 @@ def _folded(fed: Federation, m: int) -> Callable[[list[Tensor], Tensor, list[int
     return forward
 
 
-def _vmapped(fed: Federation) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
+def _vmapped(fed: Core) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
     """Any net: the forward ``vmap``-ed over the clients' parameters and rows; clients whose batches are shorter than
     the step's longest run as sub-stacks of their own size (the net may mix rows: no padding goes through it).
     Returns ``(m, B, ...)``, or with unequal sizes a list of the clients' ``(B_i, ...)`` outputs."""
@@ -353,21 +309,3 @@ class _StackedLinear(TorchFunctionMode):
             out = torch.bmm(rows, w) if b is None else torch.baddbmm(b.unsqueeze(1), rows, w)
             return out.reshape(*x.shape[:-1], w.shape[2])
         return func(*args, **kwargs)
-
-
-@torch.no_grad()
-def _sgd_step(
-    params: list[Tensor], grads: list[Tensor], buf: list[Tensor] | None, lr: float, beta: float, wd: float
-) -> list[Tensor] | None:
-    """``torch.optim.SGD``'s step (dampening 0, no Nesterov) on stacked tensors; returns the momentum buffers."""
-    if wd:
-        grads = torch._foreach_add(grads, params, alpha=wd)
-    if beta:
-        if buf is None:
-            buf = [g.clone() for g in grads]
-        else:
-            torch._foreach_mul_(buf, beta)
-            torch._foreach_add_(buf, grads)
-        grads = buf
-    torch._foreach_add_(params, grads, alpha=-lr)
-    return buf

@@ -22,7 +22,7 @@ from helpers import linear, make_fed, run_rounds
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.datamodules.partitioners import IID
 from flx.datamodules.store import TensorData
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 
 ROWS = 1_000_000
 MANY = 1_000_000
@@ -67,7 +67,7 @@ def _stateless_run(data: TensorData, num_clients: int) -> tuple[Any, ...]:
     dm.setup("fit")
     fed = make_fed(linear(2, 2), dm.clients, loss_fn=F.cross_entropy, clients_per_round=4, local_steps=1)
     run_rounds(fed, 1)
-    module = FederatedModule(fed.net, fed, 2, dm.metric_clients())
+    module = FederatedModule(fed.net, fed.spec, 2, dm.metric_clients())
     return dm, fed, module
 
 
@@ -87,5 +87,5 @@ def test_per_client_metrics_only_where_a_split_has_per_client_rows() -> None:
     held = FederatedDataModule(data, IID(1000, test_fraction=0.5))
     held.setup("fit")
     assert held.metric_clients() == {"val": 0, "test": 1000}
-    module = FederatedModule(linear(2, 2), make_fed(linear(2, 2), held.clients), 2, held.metric_clients())
+    module = FederatedModule(linear(2, 2), make_fed(linear(2, 2), held.clients).spec, 2, held.metric_clients())
     assert module.metrics["test"].client.correct.numel() == 1000 and module.metrics["val"].client.correct.numel() == 0

@@ -16,10 +16,11 @@ from helpers import raises_one_line
 from hydra.utils import instantiate
 from torch import Tensor
 
-from flx.config import data_protocol, precheck
+from flx.config import precheck
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.datamodules.partitioners import IID
 from flx.datamodules.pfedfbe_data import client_truth, lasso_synthetic, matrix_completion
+from flx.datamodules.protocol import data_protocol
 from flx.datamodules.store import TensorData
 from flx.errors import ConfigError
 

@@ -134,7 +134,7 @@ def test_split_and_partition_do_not_follow_the_run_seed(tmp_path: Path) -> None:
     from hydra.utils import instantiate
 
     from flx.config import precheck
-    from flx.run import data_protocol
+    from flx.datamodules.protocol import data_protocol
 
     def data(*overrides: str) -> FederatedDataModule:
         cfg = precheck(["data=digits_binary", "partition=dirichlet", f"paths.output_dir={tmp_path}", *overrides])

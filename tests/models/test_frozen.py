@@ -10,10 +10,10 @@ import torch
 from helpers import raises_one_line
 from torch import nn
 
-from flx.federation import Federation, FederationConfig
+from flx.federation import FederationConfig, FederationSpec
 from flx.models.build import net_from_config
 from flx.models.frozen import load_frozen
-from flx.models.module import FederatedModule
+from flx.module import FederatedModule
 
 MLP = {"_target_": "flx.models.nets.MLP", "hidden": [16], "dropout": 0.5}
 RESNET = {"_target_": "flx.models.timm_factory.timm_net", "name": "test_resnet"}  # tiny, with BatchNorm
@@ -37,7 +37,7 @@ def _save(net: nn.Module, path: Path, fmt: str) -> Path:
     if fmt == "state_dict":
         torch.save(net.state_dict(), path)
     else:
-        module = FederatedModule(net, Federation(FederationConfig()), CLASSES, num_clients=4)
+        module = FederatedModule(net, FederationSpec(FederationConfig()), CLASSES, num_clients=4)
         torch.save({"epoch": 2, "global_step": 7, "state_dict": module.state_dict(), "flx": {"round": 3}}, path)
     return path
 

@@ -1,5 +1,5 @@
 """The simulated clock inside the round protocol (no Lightning): ``T_r = max`` over the round's clients at the widths
-parts record with ``fed.set_width``, ``clock = sum_r T_r``, saved and restored with ``Federation.state_dict``."""
+parts record with ``rnd.set_width``, ``clock = sum_r T_r``, saved and restored with ``Federation.state_dict``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch.nn.functional as F
 from helpers import linear, run_rounds, toy_data
 
-from flx.callbacks.prox import Prox
-from flx.federation import Federation, FederationConfig
+from flx.federation import Federation, FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback
+from flx.parts.prox import Prox
 from flx.systems.clock import SimClock
 from flx.systems.simulator import LatencySimulator
 
@@ -19,9 +19,9 @@ WIDTHS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
 def make(system: LatencySimulator | None, parts=(), **cfg) -> Federation:
     settings = {"clients_per_round": 4, "local_steps": 2, "batch_size": 4, "seed": 3, **cfg}
-    fed = Federation(FederationConfig(**settings), system=system)
-    fed.attach(linear(), toy_data(SIZES), F.cross_entropy, parts)
-    return fed
+    return Federation(
+        FederationSpec(FederationConfig(**settings), system=system), linear(), toy_data(SIZES), F.cross_entropy, parts
+    )
 
 
 class Scheduler(FederatedCallback):
@@ -33,15 +33,15 @@ class Scheduler(FederatedCallback):
 
     def on_round_start(self, fed, rnd) -> None:
         for c in rnd.cohort:
-            fed.set_width(c, WIDTHS[(c + rnd.round) % 5])
+            rnd.set_width(c, WIDTHS[(c + rnd.round) % 5])
 
     def on_client_start(self, fed, client) -> None:
-        self.seen[client.round.round, client.cid] = fed.width(client.cid)
+        self.seen[client.round.round, client.cid] = client.round.width(client.cid)
         with pytest.raises(RuntimeError, match="on_round_start"):
-            fed.set_width(client.cid, 0.5)  # a client hook runs on one rank only
+            client.round.set_width(client.cid, 0.5)  # a client hook runs on one rank only
 
     def on_round_end(self, fed, rnd) -> None:
-        widths = {c: fed.width(c) for c in rnd.cohort}
+        widths = {c: rnd.width(c) for c in rnd.cohort}
         self.rounds.append((rnd.round, rnd.cohort, widths, fed.clock.round_time))
 
 
@@ -66,7 +66,7 @@ def test_a_skipped_client_costs_no_time() -> None:
     class Narrow(FederatedCallback):
         def on_round_start(self, fed, rnd) -> None:
             for c in rnd.cohort:
-                fed.set_width(c, 1.0 if c == 2 else 0.0625)
+                rnd.set_width(c, 1.0 if c == 2 else 0.0625)
 
     sim = LatencySimulator(batch_size=4, local_steps=2)
     fed = make(sim, [Narrow()], clients_per_round=6)
@@ -82,7 +82,7 @@ def test_widths_default_to_the_full_model_each_round() -> None:
     run_rounds(fed, 2)
     cohort = [c for c in fed.rnd.cohort if SIZES[c] > 0]
     assert fed.clock.round_time == max(sim.device_time(c, 1, 1.0, 2) for c in cohort)
-    assert fed.width(cohort[0]) == 1.0
+    assert fed.rnd.width(cohort[0]) == 1.0
 
 
 def test_local_epochs_price_each_client_by_its_own_steps() -> None:
@@ -100,7 +100,7 @@ def test_set_width_checks_the_ratio() -> None:
             self.ratio = ratio
 
         def on_round_start(self, fed, rnd) -> None:
-            fed.set_width(rnd.cohort[0], self.ratio)
+            rnd.set_width(rnd.cohort[0], self.ratio)
 
     for ratio, match in ((0.0, "in \\(0, 1\\]"), (1.5, "in \\(0, 1\\]"), (0.3, "not profiled")):
         with pytest.raises(ValueError, match=match):

@@ -46,7 +46,7 @@ def test_fedavg_logs_the_simulated_clock_and_resume_continues_it(tmp_path: Path)
 
     # the same times from the simulator, over FedAvg's cohorts (uniform, seeded by (seed, round)), all full width
     _, module, _ = build(compose(tmp_path / "x", *RUN))
-    system = module.federation.system
+    system = module.spec.system
     cohorts = [uniform_cohort(6, 3, np.random.default_rng(derive_seed(0, r, SAMPLE_TAG))) for r in range(3)]
     expected = [system.round_time(r, dict.fromkeys(cohort, 1.0)) for r, cohort in enumerate(cohorts)]
     assert rounds == pytest.approx(expected, rel=1e-6)

@@ -44,7 +44,7 @@ from typing_extensions import override
 
 from flx import signals
 from flx.checkpoint_io import LAST, PARTIAL_WRITE, AtomicCheckpointIO, atomic_link
-from flx.config import check_checkpoint
+from flx.checkpoint_spec import check_checkpoint
 from flx.errors import ConfigError, bad_value
 from flx.launch import slurm_job_id
 from flx.wandb_logging import close_runs

@@ -26,16 +26,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flx.config import CLIENT_EVAL
+from flx.choices import CLIENT_EVAL
 from flx.context import ClientData
 from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, held_cells, holdout
 from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 from flx.datamodules.placement import HostRows, fits_on, index_bytes, rows_on
 from flx.datamodules.protocol import DataProtocol, load, save_split
+from flx.datamodules.round_loader import RoundLoader
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
-from flx.loop import RoundLoader
 from flx.metrics.client_summary import ClientCells
 
 if TYPE_CHECKING:
@@ -262,8 +262,9 @@ class FederatedDataModule(pl.LightningDataModule):
         return RoundLoader()
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """A training "batch" is the round's tuple of client ids (:class:`flx.loop.RoundLoader`): nothing to move (saves
-        Lightning's generic collection walk); evaluation batches (tensors) move as Lightning moves them."""
+        """A training "batch" is the round's tuple of client ids (:class:`~flx.datamodules.round_loader.RoundLoader`):
+        nothing to move (saves Lightning's generic collection walk); evaluation batches (tensors) move as Lightning
+        moves them."""
         if isinstance(batch, tuple) and all(isinstance(c, int) for c in batch):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)

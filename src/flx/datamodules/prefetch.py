@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from flx.config import data_protocol
+from flx.datamodules.protocol import data_protocol
 from flx.errors import instantiate
 from flx.launch import forking, threads_until_fork
 from flx.threads import resolve as resolve_threads

@@ -29,6 +29,7 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -259,3 +260,11 @@ def save_split(path: str | Path, rows: dict[str, np.ndarray]) -> None:
     """Writes the pool ids of each split in the format of :func:`read_split_file` (``server`` only when it has rows)."""
     kept = [k for k in SPLITS if k in rows and (k != "server" or len(rows[k]))]
     Path(path).write_text(json.dumps({k: np.asarray(rows[k]).tolist() for k in kept}))
+
+
+def data_protocol(cfg: Any) -> DataProtocol:
+    """The :class:`DataProtocol` of a run config's ``data.*`` (defaults where a data config lacks a key)."""
+    d = cfg.data
+    defaults = {"val_fraction": 0.0, "split_seed": 0, "split_file": None, "standardize": True, "server_fraction": 0.0}
+    defaults["standardize_target"] = False
+    return DataProtocol(**{k: d.get(k, v) for k, v in defaults.items()})

@@ -3,7 +3,7 @@
 Lightning turns a logged Python number into a tensor of the default dtype, which is float32 outside the precision
 plugin's forward context (the epoch-end hooks where flx logs), and torchmetrics keeps its states in the dtype they
 were built in when the module is cast to float64. A float64 run (``trainer.precision=64-true``) would so log
-``0.8`` as ``0.800000011920929``; :class:`~flx.models.module.FederatedModule` logs its values, and has its metrics
+``0.8`` as ``0.800000011920929``; :class:`~flx.module.FederatedModule` logs its values, and has its metrics
 compute, in :func:`logged_dtype` instead. Other runs log exactly what Lightning logs.
 """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flx.config import MODEL_INITS as INITS
+from flx.choices import MODEL_INITS as INITS
 from flx.errors import bad_value
 
 

@@ -1,6 +1,6 @@
 """The ``system.*`` settings of the device / latency simulator and their checks (torch- and numpy-free).
 
-:func:`check_system` runs in the pre-run check (:func:`flx.config.validate`); :class:`SystemParams` is what
+:func:`check_system` runs in the pre-run check (:func:`flx.checks.validate`); :class:`SystemParams` is what
 :class:`flx.systems.simulator.LatencySimulator` is built from, so both apply the same rules and the same one-line
 errors (``system.<key>=<value>: <what is allowed>``).
 """

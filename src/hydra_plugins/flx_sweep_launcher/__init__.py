@@ -15,7 +15,7 @@ from typing import Any
 from hydra.core.utils import JobReturn, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 
-from flx.config import one_line
+from flx.errors import one_line
 from flx.launch import record_failure, varying
 
 

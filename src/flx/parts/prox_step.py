@@ -1,0 +1,241 @@
+r"""Proximal local steps (FedMiD) and federated dual averaging (FedDualAvg) for a nonsmooth regulariser ``h``.
+
+Yuan, Zaheer, Reddi, "Federated Composite Optimization", ICML 2021: Federated Mirror Descent (FedMiD) and Federated
+Dual Averaging (FedDualAvg), here with the Euclidean mirror map, so every mirror step is a prox step of
+:mod:`flx.regularizers` (the paper calls the regulariser :math:`\psi` and the mirror map :math:`h`; here ``h`` is
+the regulariser, as pFedFBE does, whose paper runs both as baselines "Fedmirror" and "FedDual", Sec. 4.1).
+Client :math:`i` takes :math:`K_i` steps of size :math:`\eta` (``algo.lr``), weight :math:`p_i`; the server step
+size is :math:`\eta_s` (``algo.server.lr``) and :math:`\bar K = \sum_i p_i K_i / \sum_i p_i`.
+
+**FedMiD** (:class:`ProxStep`): proximal SGD on the clients, then the primal mean and a server prox step
+
+.. math::
+    w_{i,k+1} = \mathrm{prox}_{\eta h}\big(w_{i,k} - \eta \nabla f_i(w_{i,k}; \xi)\big), \qquad
+    w^{t+1} = \mathrm{prox}_{\eta_s \eta \bar K h}\Big(w^t + \eta_s\,\big(\textstyle\sum_i p_i w_{i,K_i} / \sum_i p_i
+    - w^t\big)\Big).
+
+The server prox (``server_prox=true``, the default) is the paper's server update
+:math:`x_{r+1} = \nabla(h + \eta_s\eta_c K\psi)^*(\nabla h(x_r) + \eta_s\Delta_r)` and what the authors' code does
+(``server_mirror`` with ``lr = server_lr * mean(client_lr * K)``); ``server_prox=false`` is the simpler
+reading "local proximal steps, then the server averages the primal models". Any server optimizer works: the prox is
+applied to its output, with :math:`\eta_s` its ``lr``.
+
+**FedDualAvg** (:class:`DualAveraging`): clients take gradient steps on a dual state :math:`z` and evaluate the
+gradient at its prox with the step size elapsed since the start; the server averages the duals
+
+.. math::
+    x_{i,k} = \mathrm{prox}_{\tilde\eta_{t,k} h}(z_{i,k}), \quad
+    z_{i,k+1} = z_{i,k} - \eta \nabla f_i(x_{i,k}; \xi), \quad z_{i,0} = z^t, \quad
+    \tilde\eta_{t,k} = \tilde\eta_t + \eta k,
+
+    z^{t+1} = z^t + \eta_s\big(\textstyle\sum_i p_i z_{i,K_i} / \sum_i p_i - z^t\big), \quad
+    \tilde\eta_{t+1} = \tilde\eta_t + \eta_s \eta \bar K, \quad w^{t+1} = \mathrm{prox}_{\tilde\eta_{t+1} h}(z^{t+1}),
+
+from :math:`z^0 = w^0`, :math:`\tilde\eta_0 = 0` (so :math:`\tilde\eta_{t,k} = \eta_s\eta t K + \eta k` for a
+constant :math:`K`, the paper's effective step). The net holds the primal :math:`w^t` between rounds (what is
+evaluated and checkpointed); the part keeps :math:`z^t` and :math:`\tilde\eta_t` in its ``state_dict``. The upload
+is the dual: ``on_client_end`` writes :math:`z_{i,K_i}` into the net, the core averages it, ``on_server_step`` puts
+:math:`z^t` where the server optimizer reads the current model (``fed.global_params``), so the configured server
+optimizer steps the dual (FedAvgM / FedAdam on :math:`z`, as in the authors' code), and ``on_round_end`` keeps
+:math:`z^{t+1}` and writes :math:`w^{t+1}` into the net. List it last among the parts with ``on_server_step`` or
+``on_client_end`` (they would see duals). Clients keep no state between rounds.
+
+Choices the papers leave open: :math:`\bar K` is weighted by the aggregation weights (the authors' code weights it
+by sample counts; equal to :math:`K` unless ``algo.local_epochs`` is set), carried in the round's one all-reduce
+(``fed.register_stat``); a round in which no client was aggregated changes neither :math:`z` nor
+:math:`\tilde\eta`. FedDualAvg takes plain gradient steps on the dual: ``algo.momentum`` and ``algo.weight_decay``
+must be 0 (an :math:`\ell_2` term is ``elastic_net``'s ``mu2``); gradients that other parts transform in
+``on_local_grad`` (clipping, FedProx's term) are used as transformed. FedMiD applies its prox after whatever local
+optimizer step the core takes (momentum included). A part that replaces the local steps (``local_update``) skips
+both mechanisms' client side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from flx.errors import bad_value
+from flx.hooks import FederatedCallback
+from flx.regularizers import make_regularizer
+
+if TYPE_CHECKING:
+    from flx.context import ClientContext, FederationConfig, FederationView, Round
+
+# registered statistics: [sum_i p_i K_i, sum_i p_i] over the round's aggregated clients, for K-bar
+_MID_STEPS, _DUAL_STEPS = "prox_step/steps", "dual_averaging/steps"
+_DUAL = "dual_averaging/z"  # client.extras key of the client's dual z_i
+
+
+def _register_steps(fed: FederationView, name: str) -> None:
+    fed.register_stat(name, torch.zeros(2, dtype=fed.params[0].dtype))  # model dtype: no fp64 round buffer
+
+
+def _add_steps(fed: FederationView, name: str, client: ClientContext) -> None:
+    steps = fed.stat(name)
+    steps[0] += client.weight * client.num_steps
+    steps[1] += client.weight
+
+
+def _mean_steps(fed: FederationView, name: str) -> float:
+    """``K-bar``: the aggregation-weighted mean of the round's local step counts (summed over ranks)."""
+    steps = fed.stat(name)
+    return float(steps[0]) / float(steps[1])
+
+
+@dataclass(frozen=True)
+class ProxStepParams:
+    """``server_prox``: apply ``prox_{eta_s eta K-bar h}`` after the server step (``algo.server_prox``)."""
+
+    server_prox: bool = True
+
+
+class ProxStep(FederatedCallback):
+    """FedMiD: ``w <- prox_{eta h}(w)`` after every local step, and a server prox step after the server optimizer.
+
+    Symbols: ``eta`` (``algo.lr``), ``eta_s`` (``algo.server.lr``), ``K_i`` (local steps), ``h`` (the regulariser).
+
+    Args:
+        regularizer: the ``algo.regularizer`` mapping (:func:`flx.regularizers.make_regularizer`); None: ``h = 0``.
+        server_prox: see :class:`ProxStepParams`.
+    """
+
+    def __init__(self, regularizer: Mapping[str, Any] | None = None, server_prox: bool = True) -> None:
+        if not isinstance(server_prox, bool):
+            raise bad_value("algo.server_prox", server_prox, "true or false")
+        self.reg = make_regularizer(regularizer)
+        self.params = ProxStepParams(server_prox)
+        self._stepped = False  # whether this round had a server step (set in on_server_step, read in on_round_end)
+
+    @override
+    def on_attach(self, fed: FederationView) -> None:
+        self.reg.bind(fed.net)
+        if self.params.server_prox:
+            _register_steps(fed, _MID_STEPS)
+
+    @override
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
+        self._stepped = False
+
+    @override
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
+        self.reg.prox_(fed.params, fed.cfg.lr)
+
+    @override
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
+        if self.params.server_prox:
+            _add_steps(fed, _MID_STEPS, client)
+
+    @override
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
+        self._stepped = True
+
+    @override
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
+        if self._stepped and self.params.server_prox:
+            self.reg.prox_(fed.params, fed.cfg.server.lr * fed.cfg.lr * _mean_steps(fed, _MID_STEPS))
+        self._stepped = False
+
+
+class DualAveraging(FederatedCallback):
+    """FedDualAvg: clients step a dual ``z`` at ``x = prox_{eta~ h}(z)``; the server averages and steps the duals.
+
+    Symbols: ``z`` (dual), ``eta~`` (``elapsed``, the step size accumulated since the start), ``eta``, ``eta_s``,
+    ``K_i``, ``h``. Server state: ``z`` (one tensor per trainable parameter) and ``elapsed``, both in ``state_dict``.
+
+    Args:
+        regularizer: the ``algo.regularizer`` mapping (:func:`flx.regularizers.make_regularizer`); None: ``h = 0``.
+    """
+
+    def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
+        self.reg = make_regularizer(regularizer)
+        self.z: list[Tensor] | None = None  # z^t, the server's dual
+        self.elapsed = 0.0  # eta~_t
+        self._stepped = False  # whether this round had a server step (set in on_server_step, read in on_round_end)
+
+    @override
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+        if cfg.momentum != 0:
+            raise bad_value("algo.momentum", cfg.momentum, "FedDualAvg takes plain gradient steps on the dual: use 0")
+        if cfg.weight_decay != 0:
+            why = "FedDualAvg takes plain gradient steps on the dual: use 0 (an l2 term: regularizer elastic_net, mu2)"
+            raise bad_value("algo.weight_decay", cfg.weight_decay, why)
+        if cfg.aggregator != "mean":
+            raise bad_value("algo.aggregator", cfg.aggregator, "FedDualAvg averages the clients' duals: use mean")
+
+    @override
+    def on_attach(self, fed: FederationView) -> None:
+        self.reg.bind(fed.net)
+        if self.z is None:  # a resumed run loaded z with the checkpoint
+            self.z = [p.detach().clone() for p in fed.params]
+        else:
+            self.z = [z.to(p.device, p.dtype) for z, p in zip(self.z, fed.params)]
+        _register_steps(fed, _DUAL_STEPS)
+
+    @torch.no_grad()
+    def _to_primal(self, fed: FederationView, z: list[Tensor], gamma: float) -> None:
+        """The net's parameters <- ``prox_{gamma h}(z)``."""
+        torch._foreach_copy_(fed.params, z)
+        self.reg.prox_(fed.params, gamma)
+
+    # ------------------------------------------------------------------ client
+    @override
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
+        z = [t.clone() for t in self.z]
+        client.extras[_DUAL] = z
+        self._to_primal(fed, z, self.elapsed)  # x_{i,0} = prox(z^t) = w^t (a projection at t = 0 for indicators)
+
+    @override
+    @torch.no_grad()
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
+        z, eta = client.extras[_DUAL], fed.cfg.lr
+        for zi, p in zip(z, fed.params):
+            if p.grad is not None:  # the gradient at x_{i,k}, as the parts' on_local_grad left it
+                zi.add_(p.grad, alpha=-eta)
+        k = client.step + 1
+        if k < client.num_steps:  # after the last step only z is uploaded
+            self._to_primal(fed, z, self.elapsed + eta * k)
+
+    @override
+    @torch.no_grad()
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
+        z = client.extras.pop(_DUAL)
+        torch._foreach_copy_(fed.params, z)  # the upload is the dual z_{i,K_i}
+        if all(bool(t.isfinite().all()) for t in z):  # a non-finite upload is dropped by the core: no K_i either
+            _add_steps(fed, _DUAL_STEPS, client)
+
+    # ------------------------------------------------------------------ server
+    @override
+    def on_round_start(self, fed: FederationView, rnd: Round) -> None:
+        self._stepped = False
+
+    @override
+    @torch.no_grad()
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
+        # mean[:n] is the dual mean z-bar; the server optimizer steps fed.global_params towards it, so it gets z^t
+        torch._foreach_copy_(fed.global_params, self.z)
+        self._stepped = True
+
+    @override
+    @torch.no_grad()
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
+        if not self._stepped:  # no client aggregated: the net kept w^t, z and eta~ stay
+            return
+        self._stepped = False
+        torch._foreach_copy_(self.z, [p.detach() for p in fed.params])  # z^{t+1}, from the server optimizer
+        self.elapsed += fed.cfg.server.lr * fed.cfg.lr * _mean_steps(fed, _DUAL_STEPS)
+        self._to_primal(fed, self.z, self.elapsed)
+
+    # ------------------------------------------------------------------ checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"z": None if self.z is None else [t.clone() for t in self.z], "elapsed": self.elapsed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.z, self.elapsed = state_dict["z"], float(state_dict["elapsed"])
