@@ -460,3 +460,26 @@ def test_run_folder_probe_leaves_nothing_behind(tmp_path: Path) -> None:
     assert _tree(tmp_path) == before
     with pytest.raises(ConfigError, match=r"hydra.run.dir=.*file/run.*file is not a folder"):
         _check_run_dir([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], cfg)
+
+
+def test_a_checkpoint_that_names_its_parts_where_they_lived_before_flx_parts_still_resumes(tmp_path: Path) -> None:
+    """Checkpoints written before the parts moved from ``flx.callbacks`` to ``flx.parts`` store
+    ``flx.callbacks.prox.Prox``: the same part, so the fingerprint check passes; another part still fails it."""
+    import torch
+
+    from flx.config import precheck
+    from flx.errors import ConfigError
+    from flx.resume import check_ckpt, fingerprint
+
+    cfg = precheck(["algo=fedprox"])
+    saved = fingerprint(cfg)
+    assert saved["algo.parts"] == {"prox": "flx.parts.prox.Prox"}
+    for target, resumes in (("flx.callbacks.prox.Prox", True), ("flx.callbacks.qffl.QFFL", False)):
+        old = {**saved, "algo.parts": {"prox": target}}
+        path = tmp_path / "old.ckpt"
+        torch.save({"state_dict": {}, "flx": {"round": 3, "fingerprint": old}}, path)
+        if resumes:
+            check_ckpt(cfg, str(path))
+        else:
+            with pytest.raises(ConfigError, match="written for another run: algo.parts.prox"):
+                check_ckpt(cfg, str(path))

@@ -61,6 +61,27 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+OLD_PARTS = "flx.callbacks."
+"""Where the algorithm parts lived before ``flx.parts`` (checkpoints written then name them so)."""
+PROCESS_CALLBACKS = ("checkpoint", "progress", "curves", "line_plots")
+
+
+def moved_parts(saved: dict[str, Any]) -> dict[str, Any]:
+    """A stored fingerprint with its parts named where they live now: a checkpoint written before the parts moved to
+    ``flx.parts`` names ``flx.callbacks.<part>.<Class>``, which is the same part, so it still resumes."""
+    parts = saved.get("algo.parts")
+    if not isinstance(parts, dict):
+        return saved
+
+    def now(target: Any) -> Any:
+        if not isinstance(target, str) or not target.startswith(OLD_PARTS):
+            return target
+        module = target[len(OLD_PARTS) :].split(".")[0]
+        return target if module in PROCESS_CALLBACKS else "flx.parts." + target[len(OLD_PARTS) :]
+
+    return {**saved, "algo.parts": {name: now(target) for name, target in parts.items()}}
+
+
 def check_ckpt(cfg: DictConfig, path: str) -> None:
     """Raises a one-line :class:`ConfigError` unless ``path`` is a flx checkpoint written for this config.
 
@@ -77,7 +98,7 @@ def check_ckpt(cfg: DictConfig, path: str) -> None:
     saved = ckpt["flx"].get("fingerprint")
     if not saved:
         raise bad_value("ckpt_path", path, "written by an older flx without a config fingerprint: cannot check it")
-    mine, theirs = flatten(fingerprint(cfg)), flatten(saved)
+    mine, theirs = flatten(fingerprint(cfg)), flatten(moved_parts(saved))
     diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if diff:
         shown = "; ".join(
