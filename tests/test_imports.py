@@ -100,7 +100,7 @@ FLOORS = (
     # 1: data, models, tasks, and the types of the round protocol
     "models datamodules task_spec tasks resources context",
     # 2: the round's pieces, and the parts that plug into them
-    "hooks faults round_buffer probe evaluation clients vectorized parts",
+    "hooks faults round_buffer probe services evaluation clients vectorized parts",
     # 3: the orchestrator
     "federation",
     # 4: Lightning: the loop, the module, the process callbacks
@@ -130,7 +130,8 @@ def test_no_import_runs_up_a_floor() -> None:
 def test_the_graph_sees_known_arrows() -> None:
     """The parser finds the imports it must (a guard against a test that passes by seeing nothing)."""
     graph = import_graph()
-    assert {"flx.hooks", "flx.aggregation", "flx.probe"} <= graph["flx.federation"]
+    assert {"flx.hooks", "flx.aggregation", "flx.services"} <= graph["flx.federation"]
+    assert "flx.probe" in graph["flx.services"]
     assert "flx.hooks" in graph["flx.parts.prox"]
     assert "flx.federation" not in graph["flx.hooks"]
     assert "flx.federation" in import_graph(annotations=True)["flx.loop"]  # only for annotations

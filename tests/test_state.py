@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from flx.state import ClientStateStore
+from flx.state import ClientStateStore, GlobalModel
 
 
 @pytest.mark.parametrize("backend", ["memory", "disk"])
@@ -171,3 +171,36 @@ def test_disk_snapshot_loaded_in_another_folder_is_copied(tmp_path) -> None:
     legacy = ClientStateStore("disk", str(tmp_path / "c"))
     legacy.load_state_dict({"clients": {5: _one(7.0)}})
     assert float(legacy.get(5)["v"]) == 7.0 and legacy.retain({1}) == []
+
+
+def test_global_model_snapshot_load_and_commit() -> None:
+    """The global model's three moves on a net with every kind of tensor: a frozen parameter (not uploaded), float
+    buffers (averaged) and an integer counter (kept from the global model)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    net[2].bias.requires_grad_(False)
+    model = GlobalModel(net)
+    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"]
+    assert [t is b for t, b in zip(model.local_state[5:], [net[1].running_mean, net[1].running_var])] == [True] * 2
+    assert len(model.local_state) == 7 and len(model.global_state) == 7 and len(model.global_params) == 5
+
+    net(torch.randn(8, 3))  # a training step's side effects: new running statistics, the counter at 1
+    model.snapshot()
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():  # a client trains: every tensor moves
+        torch._foreach_add_(model.local_state, 1.0)
+        net[1].num_batches_tracked.add_(5)
+    model.load()
+    assert all(torch.equal(v, start[k]) for k, v in net.state_dict().items())
+
+    with torch.no_grad():
+        torch._foreach_sub_(model.global_params, 0.5)  # what the server optimizer does
+    means = [torch.full((4,), 2.0, dtype=torch.float64), torch.full((4,), 3.0, dtype=torch.float64)]
+    net[1].num_batches_tracked.add_(5)
+    model.commit(means)
+    assert all(torch.equal(p, start[n] - 0.5) for n, p in zip(names, model.params))
+    assert torch.equal(net[1].running_mean, torch.full((4,), 2.0)) and net[1].running_mean.dtype == torch.float32
+    assert torch.equal(net[1].running_var, torch.full((4,), 3.0))
+    assert int(net[1].num_batches_tracked) == 1  # the global model's counter, not the client's
+    assert torch.equal(net[2].bias, start["2.bias"])  # frozen: neither uploaded nor stepped

@@ -35,7 +35,7 @@ so the two gradients of ``fd`` differ only through :math:`w \pm \tau v`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+StateArg = Mapping[str, Tensor] | tuple[Mapping[str, Tensor], ...]
 HVP_MODES = ("exact", "fd", "none")
 FD_EPS = 1e-3  # norm of the perturbation tau * v in the ``fd`` mode
 
@@ -102,6 +103,21 @@ def grad_at(
     """
     with _same_rng(params):
         return _grad(net, _leaves(params), batch, loss_fn, create_graph)
+
+
+def sq_norm(tensors: Sequence[Tensor]) -> Tensor:
+    r""":math:`\sum_k \lVert t_k \rVert^2`, summed in float64."""
+    return sum(t.double().pow(2).sum() for t in tensors)
+
+
+@torch.no_grad()
+def loss_at(net: nn.Module, state: StateArg, batches: Sequence[Sequence[Tensor]], loss_fn: LossFn) -> Tensor:
+    """The mean of ``loss_fn`` over ``batches`` (``(x, y)`` pairs, each batch mean weighted by its rows, summed in
+    float64) with the net's tensors replaced by ``state``: ``{name: tensor}``, or a tuple of such dicts, as
+    :func:`torch.func.functional_call` takes it. The net runs in its current mode; its tensors are not touched (a
+    buffer missing from ``state`` is the net's own: pass clones where a train-mode BatchNorm would update it)."""
+    total = sum(loss_fn(functional_call(net, state, (x,)), y).double() * len(y) for x, y in batches)
+    return total / sum(len(y) for _, y in batches)
 
 
 def hvp(

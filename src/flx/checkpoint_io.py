@@ -134,3 +134,85 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
+
+
+# ---------------------------------------------------------------- a run folder's round files
+ROUND_FILE = re.compile(r"round_(\d+)\.ckpt")
+
+
+def round_file(rounds: int) -> str:
+    """The file name of the checkpoint holding the state after ``rounds`` rounds."""
+    return f"round_{rounds:05d}.ckpt"
+
+
+def after_write(checkpoint_io: Any, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` once the files saved so far through ``checkpoint_io`` are on disk: queued behind them by an
+    :class:`AtomicCheckpointIO`, or now with another checkpoint IO."""
+    if isinstance(checkpoint_io, AtomicCheckpointIO):
+        checkpoint_io.submit(fn, *args)
+    else:
+        fn(*args)
+
+
+def wait_for_writes(checkpoint_io: Any) -> None:
+    """Blocks until the files saved through ``checkpoint_io`` are on disk (nothing to wait for with another IO)."""
+    if isinstance(checkpoint_io, AtomicCheckpointIO):
+        checkpoint_io.wait()
+
+
+def remove_files(files: list[str]) -> None:
+    """Removes ``files``; one already gone is no error."""
+    for file in files:
+        try:
+            os.remove(file)
+        except FileNotFoundError:
+            pass
+
+
+class RoundFiles:
+    """The round files (``round_NNNNN.ckpt``) a run keeps in ``dirpath``: the newest ``keep_last`` (None: all), the
+    newest also as ``last.ckpt``.
+
+    ``saved`` lists the kept files in the order written (a resumed run's list, from its checkpoint, may name files of
+    another folder: they are never removed from here).
+    """
+
+    def __init__(self, dirpath: str, keep_last: int | None) -> None:
+        self.dirpath, self.keep_last = dirpath, keep_last
+        self.saved: list[str] = []
+
+    def add(self, rounds: int) -> str:
+        """Records the file of the state after ``rounds`` rounds and returns its path."""
+        path = os.path.join(self.dirpath, round_file(rounds))
+        if path not in self.saved:
+            self.saved.append(path)
+        return path
+
+    def prune(self) -> list[str]:
+        """Drops the files beyond ``keep_last`` from :attr:`saved` and returns them, to be removed once the newest file
+        is written (:meth:`publish`); only this folder's files, never others."""
+        if self.keep_last is None:
+            return []
+        mine = [p for p in self.saved if os.path.dirname(p) == self.dirpath]
+        old = mine[: max(0, len(mine) - self.keep_last)]
+        self.saved = [p for p in self.saved if p not in old]
+        return old
+
+    def publish(self, path: str, old: list[str]) -> None:
+        """After ``path`` is on disk: ``last.ckpt`` names it, and the ``old`` files are removed."""
+        atomic_link(path, os.path.join(self.dirpath, LAST))
+        remove_files(old)
+
+    def rounds(self) -> set[int]:
+        """The rounds whose state the kept round files hold."""
+        return {int(m.group(1)) for p in self.saved if (m := ROUND_FILE.fullmatch(os.path.basename(p)))}
+
+    def remove_partial_writes(self) -> list[str]:
+        """Removes the temporary files of writes cut short by a kill (``.NAME.tmp-PID``): never read, each as large as
+        a checkpoint, and a resumed run (another pid) would not overwrite them. Returns their names."""
+        if not os.path.isdir(self.dirpath):
+            return []
+        partial = sorted(f for f in os.listdir(self.dirpath) if PARTIAL_WRITE.fullmatch(f))
+        for name in partial:
+            os.remove(os.path.join(self.dirpath, name))
+        return partial

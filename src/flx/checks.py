@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from flx.checkpoint_spec import check_checkpoint
 from flx.choices import AGGREGATORS, CLIENT_EVAL, DUPLICATES, FAULT_POLICIES, MINIBATCH, MODEL_INITS, SINGLE_ROW_BATCH
 from flx.errors import ConfigError, bad_value, one_line
-from flx.launch import slurm_job_id
+from flx.launch import DDP_STARTS, DDP_STRATEGIES, slurm_job_id
 from flx.resource_spec import check_server
 from flx.resume import check_ckpt
 from flx.systems.params import check_system
@@ -29,10 +29,7 @@ from flx.threads import AUTO
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "bf16-true", "16-true")
 
 
-STRATEGIES = ("auto", "ddp", "flx_ddp")
-
-
-DDP_STARTS = ("auto", "fork", "spawn")  # how the other ranks of a one-machine DDP run start (flx.launch.prelaunch)
+STRATEGIES = ("auto", *DDP_STRATEGIES)
 
 
 def check_files(cfg: DictConfig) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 # what Lightning's launcher exports for the processes it starts (lightning.fabric's subprocess launcher), and the thread
 # count it exports for this process (keep_threads)
+DDP_STRATEGIES = ("ddp", "flx_ddp")  # trainer.strategy values that run one process per device (flx.loop's DDP)
+DDP_STARTS = ("auto", "fork", "spawn")  # how the other ranks of a one-machine DDP run start (prelaunch)
 DDP_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
 
 
@@ -234,7 +236,7 @@ def prelaunch(trainer: Mapping[str, Any], folder: str, start: str = "auto") -> N
     (:func:`join_children`).
     """
     devices, strategy = trainer.get("devices"), trainer.get("strategy")
-    if strategy not in ("ddp", "flx_ddp") or not isinstance(devices, int) or devices < 2:
+    if strategy not in DDP_STRATEGIES or not isinstance(devices, int) or devices < 2:
         return
     if int(trainer.get("num_nodes") or 1) != 1 or slurm_job_id() is not None:
         return

@@ -32,6 +32,7 @@ from flx.errors import ConfigError, bad_value, instantiate, one_line
 from flx.federation import FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback, overrides
 from flx.launch import (
+    DDP_STRATEGIES,
     fork_ranks,
     job_label,
     keep_threads,
@@ -118,7 +119,7 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     if any(isinstance(lg, WandbLogger) for lg in loggers):  # W&B: a row per round, the run id in the checkpoints
         callbacks.append(WandbRun())
     kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
-    if cfg.trainer.get("strategy") in ("ddp", "flx_ddp"):
+    if cfg.trainer.get("strategy") in DDP_STRATEGIES:
         kwargs["strategy"] = loop.FederatedDDPStrategy(process_group_backend=cfg.trainer.get("process_group_backend"))
         if cfg.get("num_threads") is not None:  # else Lightning's DDP launcher replaces num_threads at the fit
             keep_threads(run_threads())  # resolved (num_threads=auto) and the same in every rank

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 ClientState = dict[str, Tensor]
 _FILE = re.compile(r"client_(\d+)\.(\d+)\.pt")  # a disk store's file: client_<cid>.<tag>.pt
@@ -323,6 +323,57 @@ class ServerState:
 
     round: int = 0
     optimizer: dict[str, Any] = field(default_factory=dict)
+
+
+def _copy(dst: list[Tensor], src: Sequence[Tensor]) -> None:
+    """In-place list copy (``_foreach_copy_`` rejects empty lists, e.g. a net without buffers)."""
+    if dst:
+        torch._foreach_copy_(dst, list(src))
+
+
+class GlobalModel:
+    """The net's tensors and the round-start snapshot of them, the global model :math:`w^t`.
+
+    Every rank holds one net: each client trains in it from the snapshot (:meth:`load`), and the server step writes
+    the new global model back (:meth:`commit`). Copies are in place: nothing is allocated per round.
+
+    Attributes:
+        params: the net's trainable parameters.
+        float_buffers: its floating-point buffers (BatchNorm statistics): uploaded and averaged like parameters.
+        other_buffers: the other buffers (integer counters): kept from the global model.
+        local_state: ``params`` then ``float_buffers``: what a client uploads.
+        global_params: the snapshot of ``params``, :math:`w^t`, which the server optimizer steps.
+        global_state: the snapshot of ``local_state`` (``global_params`` then the float buffers').
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        buffers = list(net.buffers())
+        self.float_buffers = [b for b in buffers if b.is_floating_point()]
+        self.other_buffers = [b for b in buffers if not b.is_floating_point()]
+        self.local_state = self.params + self.float_buffers
+        self._live = self.params + self.float_buffers + self.other_buffers
+        self._snapshot = [t.detach().clone() for t in self._live]
+        n, f = len(self.params), len(self.float_buffers)
+        self.global_params, self.global_state = self._snapshot[:n], self._snapshot[: n + f]
+        self._global_other = self._snapshot[n + f :]
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """The net's current tensors become the global model (at the start of a round)."""
+        _copy(self._snapshot, [t.detach() for t in self._live])
+
+    @torch.no_grad()
+    def load(self) -> None:
+        """Copies the global model into the net (a client's start; a round that aggregated nothing)."""
+        _copy(self._live, self._snapshot)
+
+    @torch.no_grad()
+    def commit(self, float_means: Sequence[Tensor]) -> None:
+        """After the server step: the net takes the stepped ``global_params``, the clients' mean float buffers
+        (``float_means``, cast to the buffers' dtypes) and the global model's other buffers."""
+        floats = [m.to(b.dtype) for b, m in zip(self.float_buffers, float_means)]
+        _copy(self._live, [*self.global_params, *floats, *self._global_other])
 
 
 def share_states(

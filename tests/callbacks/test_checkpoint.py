@@ -1,5 +1,6 @@
 """The round checkpoint's schedule (:class:`flx.callbacks.checkpoint.RoundCheckpoint`): ``every_rounds``,
-``every_seconds`` and the wall-time floor ``min_seconds``, on a fake clock; and the shipped default on a real run.
+``every_seconds`` and the wall-time floor ``min_seconds``, on a fake clock; the round files' lifecycle
+(:class:`flx.checkpoint_io.RoundFiles`); the shipped default on a real run.
 
 The rule: a round is written when ``every_rounds`` divides it, or ``every_seconds`` have passed since the last
 checkpoint, and at least ``min_seconds`` have passed since the last checkpoint (or since training started); the last
@@ -10,6 +11,7 @@ round and a round after which the run stops are always written. With rounds of `
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +20,7 @@ from omegaconf import OmegaConf
 
 import flx.callbacks.checkpoint as checkpoint
 from flx.callbacks.checkpoint import RoundCheckpoint
+from flx.checkpoint_io import RoundFiles
 from flx.config import precheck
 from flx.run import train
 
@@ -134,3 +137,33 @@ def test_short_rounds_under_the_default_floor_write_the_last_round_only(
     folder = tmp_path / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "round_00006.ckpt"]
     assert (folder / "last.ckpt").samefile(folder / "round_00006.ckpt")
+
+
+def test_round_files_keep_the_newest_of_this_folder_and_publish_behind_the_write(tmp_path) -> None:
+    """The file lifecycle alone: ``keep_last`` counts this folder's files only (a resumed run's list may name another
+    folder's, never removed), ``last.ckpt`` names the newest once it is written, and a kill's temporary files go."""
+    folder, other = tmp_path / "run", tmp_path / "old_run"
+    folder.mkdir()
+    files = RoundFiles(str(folder), keep_last=2)
+    files.saved = [str(other / "round_00003.ckpt")]  # from the checkpoint of the run this one resumed
+    for rounds in (4, 5, 6):
+        path = files.add(rounds)
+        (folder / os.path.basename(path)).write_bytes(str(rounds).encode())
+        old = files.prune()
+        files.publish(path, old)
+    assert files.saved == [
+        str(other / "round_00003.ckpt"),
+        str(folder / "round_00005.ckpt"),
+        str(folder / "round_00006.ckpt"),
+    ]
+    assert files.rounds() == {3, 5, 6}
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "round_00005.ckpt", "round_00006.ckpt"]
+    assert (folder / "last.ckpt").read_bytes() == b"6"
+    assert files.add(6) == str(folder / "round_00006.ckpt") and len(files.saved) == 3  # a round written again
+
+    (folder / ".round_00007.ckpt.tmp-4242").write_bytes(b"half")
+    (folder / "notes.tmp").write_bytes(b"not ours")
+    assert files.remove_partial_writes() == [".round_00007.ckpt.tmp-4242"]
+    assert sorted(os.listdir(folder)) == ["last.ckpt", "notes.tmp", "round_00005.ckpt", "round_00006.ckpt"]
+    assert RoundFiles(str(tmp_path / "missing"), None).remove_partial_writes() == []
+    assert RoundFiles(str(folder), None).prune() == []  # keep_last=None keeps every file

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import signal
 import time
 from typing import Any
@@ -43,7 +42,15 @@ from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
 from flx import signals
-from flx.checkpoint_io import LAST, PARTIAL_WRITE, AtomicCheckpointIO, atomic_link
+from flx.checkpoint_io import (
+    LAST,
+    AtomicCheckpointIO,
+    RoundFiles,
+    after_write,
+    atomic_link,
+    remove_files,
+    wait_for_writes,
+)
 from flx.checkpoint_spec import check_checkpoint
 from flx.errors import ConfigError, bad_value
 from flx.launch import slurm_job_id
@@ -51,41 +58,11 @@ from flx.wandb_logging import close_runs
 
 log = logging.getLogger(__name__)
 BEST = "best.ckpt"
-ROUND_FILE = re.compile(r"round_(\d+)\.ckpt")
 
 
-def round_file(rounds: int) -> str:
-    """The file name of the checkpoint holding the state after ``rounds`` rounds."""
-    return f"round_{rounds:05d}.ckpt"
-
-
-def _after_write(trainer: pl.Trainer, fn: Any, *args: Any) -> None:
-    """``fn(*args)`` once the checkpoint files saved so far are on disk: queued behind them by flx's background writer
-    (:class:`flx.checkpoint_io.AtomicCheckpointIO`), or now with another checkpoint IO."""
-    io = trainer.strategy.checkpoint_io
-    if isinstance(io, AtomicCheckpointIO):
-        io.submit(fn, *args)
-    else:
-        fn(*args)
-
-
-def _wait_for_writes(trainer: pl.Trainer) -> None:
-    io = trainer.strategy.checkpoint_io
-    if isinstance(io, AtomicCheckpointIO):
-        io.wait()
-
-
-def _remove(files: list[str]) -> None:
-    for file in files:
-        try:
-            os.remove(file)
-        except FileNotFoundError:
-            pass
-
-
-def _link_and_remove(path: str, last: str, old: list[str]) -> None:
-    atomic_link(path, last)
-    _remove(old)
+def _io(trainer: pl.Trainer) -> Any:
+    """The run's checkpoint IO (flx's :class:`~flx.checkpoint_io.AtomicCheckpointIO` writes in the background)."""
+    return trainer.strategy.checkpoint_io
 
 
 def _signal(trainer: pl.Trainer) -> int:
@@ -97,11 +74,6 @@ def _agreed_clock(trainer: pl.Trainer) -> float | None:
     """Rank 0's ``time.monotonic()`` at this round boundary, taken by every rank with the signal
     (:attr:`flx.loop.FederatedFitLoop.clock`), or None outside flx's fit loop."""
     return getattr(trainer.fit_loop, "clock", None)
-
-
-def _rounds_of(paths: list[str]) -> set[int]:
-    """The rounds whose state the round files among ``paths`` hold."""
-    return {int(m.group(1)) for p in paths if (m := ROUND_FILE.fullmatch(os.path.basename(p)))}
 
 
 class RoundCheckpoint(Checkpoint):
@@ -139,6 +111,7 @@ class RoundCheckpoint(Checkpoint):
         self.dirpath, self.every_rounds, self.every_seconds = str(dirpath), every_rounds, every_seconds
         self.min_seconds = float(min_seconds or 0)
         self.keep_last, self.monitor, self.mode = keep_last, monitor, mode
+        self.files = RoundFiles(self.dirpath, keep_last)
         self.requeue = slurm_job_id() is not None if str(requeue).lower() == "auto" else str(requeue).lower() == "true"
         self.requeue_signal = getattr(signal, str(requeue_signal))
         if not isinstance(background, bool):
@@ -147,7 +120,6 @@ class RoundCheckpoint(Checkpoint):
         self.best_score: float | None = None
         self.best_model_path = self.last_model_path = ""
         self.best_round: int | None = None
-        self.saved: list[str] = []
         self.requeued = False
         self._validated_epoch = -1
         self._last_time = time.monotonic()
@@ -155,27 +127,13 @@ class RoundCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ hooks
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO):
-            trainer.strategy.checkpoint_io.background = self.background
-        if stage == "fit" and trainer.is_global_zero:
-            self._remove_partial_writes()
+        if isinstance(_io(trainer), AtomicCheckpointIO):
+            _io(trainer).background = self.background
+        if stage == "fit" and trainer.is_global_zero and (partial := self.files.remove_partial_writes()):
+            log.warning("flx: removed %d partly written checkpoint file(s) of an interrupted run: %s", len(partial),
+                        ", ".join(partial))  # fmt: skip
         if stage == "fit" and self.requeue:  # train.py catches it from the process start; another caller, from here
             signals.install((self.requeue_signal,))
-
-    def _remove_partial_writes(self) -> None:
-        """Removes the temporary files of writes cut short by a kill (``.NAME.tmp-PID``, :mod:`flx.checkpoint_io`):
-        never read, each as large as a checkpoint, and a resumed run (another pid) would not overwrite them."""
-        if not os.path.isdir(self.dirpath):
-            return
-        partial = sorted(f for f in os.listdir(self.dirpath) if PARTIAL_WRITE.fullmatch(f))
-        for name in partial:
-            os.remove(os.path.join(self.dirpath, name))
-        if partial:
-            log.warning(
-                "flx: removed %d partly written checkpoint file(s) of an interrupted run: %s",
-                len(partial),
-                ", ".join(partial),
-            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -199,7 +157,7 @@ class RoundCheckpoint(Checkpoint):
         if signum or self._due(trainer, rounds):
             self._save_round(trainer, rounds)
             if best and trainer.is_global_zero:
-                _after_write(trainer, atomic_link, self.last_model_path, self.best_model_path)
+                after_write(_io(trainer), atomic_link, self.last_model_path, self.best_model_path)
             self._release_client_state(trainer)
         elif best:
             trainer.save_checkpoint(self.best_model_path, weights_only=False)
@@ -239,18 +197,14 @@ class RoundCheckpoint(Checkpoint):
         return (scheduled or timed) and elapsed >= self.min_seconds
 
     def _save_round(self, trainer: pl.Trainer, rounds: int) -> None:
-        path = os.path.join(self.dirpath, round_file(rounds))
-        self.last_model_path = path
-        if path not in self.saved:
-            self.saved.append(path)
+        path = self.last_model_path = self.files.add(rounds)
         # every rank takes part; rank 0 writes (atomically, flx.checkpoint_io). weights_only=False: the whole training
         # state (loops, parts, server); Lightning logs a line at every save when it is left unset
         trainer.save_checkpoint(path, weights_only=False)
         self._last_time = self._now(trainer)  # the round boundary's (agreed) clock: the next floor counts from there
+        old = self.files.prune()
         if trainer.is_global_zero:  # after the file is on disk (the writer runs jobs in order)
-            _after_write(trainer, _link_and_remove, path, os.path.join(self.dirpath, LAST), self._prune())
-        else:
-            self._prune()
+            after_write(_io(trainer), self.files.publish, path, old)
 
     def _release_client_state(self, trainer: pl.Trainer) -> None:
         """A disk state store's files that no kept checkpoint refers to are removed once the checkpoint just written
@@ -259,20 +213,10 @@ class RoundCheckpoint(Checkpoint):
         store = getattr(getattr(trainer.lightning_module, "federation", None), "store", None)
         if store is None or (self.best_model_path and self.best_round is None):  # a best file of unknown round
             return
-        kept = _rounds_of(self.saved) | ({self.best_round} if self.best_model_path else set())
+        kept = self.files.rounds() | ({self.best_round} if self.best_model_path else set())
         doomed = store.retain(kept)
         if doomed:
-            _after_write(trainer, _remove, doomed)
-
-    def _prune(self) -> list[str]:
-        """Drops round files beyond ``keep_last`` from :attr:`saved` and returns them, for removal once the newest
-        file is written; only this run's own files in ``dirpath``, never others."""
-        if self.keep_last is None:
-            return []
-        mine = [p for p in self.saved if os.path.dirname(p) == self.dirpath]
-        old = mine[: max(0, len(mine) - self.keep_last)]
-        self.saved = [p for p in self.saved if p not in old]
-        return old
+            after_write(_io(trainer), remove_files, doomed)
 
     def _improved(self, trainer: pl.Trainer) -> bool:
         """Whether this round's ``monitor`` value is the best so far; if so it is recorded (before the save, so the
@@ -298,11 +242,11 @@ class RoundCheckpoint(Checkpoint):
         if signals.requeues(signum, self.requeue, self.requeue_signal):
             self._requeue(trainer)
         else:
-            _wait_for_writes(trainer)  # the line says the round is saved: on disk before it is printed
+            wait_for_writes(_io(trainer))  # the line says the round is saved: on disk before it is printed
 
     def _requeue(self, trainer: pl.Trainer) -> None:
         self.requeued, trainer.should_stop = True, True
-        _wait_for_writes(trainer)  # SLURM stops the job soon after the requeue: the checkpoint must be on disk first
+        wait_for_writes(_io(trainer))  # SLURM stops the job soon after the requeue: the checkpoint on disk first
         close_runs(trainer, preempting=True)  # and the W&B run finished, with this round's rows
         job = slurm_job_id()
         stop = signals.stopped()
@@ -322,7 +266,7 @@ class RoundCheckpoint(Checkpoint):
             "best_model_path": self.best_model_path,
             "best_round": self.best_round,
             "last_model_path": self.last_model_path,
-            "saved": list(self.saved),
+            "saved": list(self.files.saved),
         }
 
     @override
@@ -331,4 +275,4 @@ class RoundCheckpoint(Checkpoint):
         self.best_model_path = state_dict.get("best_model_path", "")
         self.best_round = state_dict.get("best_round")
         self.last_model_path = state_dict.get("last_model_path", "")
-        self.saved = list(state_dict.get("saved", []))
+        self.files.saved = list(state_dict.get("saved", []))

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.autodiff import FD_EPS, HVP_MODES
+from flx.autodiff import FD_EPS, HVP_MODES, sq_norm
 from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer, make_regularizer
@@ -123,7 +123,7 @@ def fbe_value(fed: FederationView, rows: Tensor, lam: float, reg: Regularizer | 
         fed.net.train(was_training)
     v = torch._foreach_add(w, g, alpha=-1.0 / lam)
     p = reg.prox(v, 1.0 / lam)
-    return f - _sq(g) / (2 * lam) + reg.value(p).double() + lam / 2 * _sq(torch._foreach_sub(p, v))
+    return f - sq_norm(g) / (2 * lam) + reg.value(p).double() + lam / 2 * sq_norm(torch._foreach_sub(p, v))
 
 
 def fbe_objective(fed: FederationView, lam: float, reg: Regularizer | None = None) -> float:
@@ -139,11 +139,6 @@ def fbe_objective(fed: FederationView, lam: float, reg: Regularizer | None = Non
         if fed.world_size > 1 and fed.reduce_sum is not None:
             out = fed.reduce_sum(out)
         return float(out.mean())
-
-
-def _sq(tensors: Sequence[Tensor]) -> Tensor:
-    r""":math:`\sum_k \lVert t_k \rVert^2` in float64."""
-    return sum(t.double().pow(2).sum() for t in tensors)
 
 
 def fbe_gradient(

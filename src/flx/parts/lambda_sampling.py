@@ -31,14 +31,13 @@ that ride in the round's all-reduce, and every rank evaluates all of :math:`U` a
 only after that reduce), so :math:`v` needs none.
 The part keeps :math:`\lambda` and its history in its ``state_dict``; at the end of fit it writes
 ``lambda.json`` next to ``curves.json`` and logs ``lambda/<i>`` every round; with W&B, the line plot ``lambda/plot``
-(lambda per client over the rounds, the first ``MAX_PLOTTED_CLIENTS`` clients, and the max and min).
+(lambda per client over the rounds, the first ``MAX_PLOTTED_CLIENTS`` clients, and the max and min;
+:mod:`flx.parts.lambda_report`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,22 +48,19 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx import simplex
+from flx.autodiff import loss_at
 from flx.errors import bad_value
 from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback
-from flx.metrics.dtype import logged_dtype
+from flx.parts import lambda_report
 from flx.sampling import derive_seed
-from flx.wandb_logging import log_line_series
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView, Round
-    from flx.vectorized import Cohort
+    from flx.context import ClientContext, Cohort, FederationConfig, FederationView, Round
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
 # registered statistics: the snapshot sum (shaped like fed.local_state) then its weight; DRFA-GA's (N,) full losses
 _SNAPSHOT, _FULL_LOSSES = "lambda/snapshot", "lambda/full_losses"
-MAX_LOGGED_CLIENTS = 100  # lambda/<i> is logged per client up to this many clients (lambda/max always)
-MAX_PLOTTED_CLIENTS = 20  # W&B's lambda/plot: a line per client for the first this many, and the max and min
 
 
 @dataclass(frozen=True)
@@ -235,22 +231,11 @@ class LambdaSampling(FederatedCallback):
                 if batch < len(rows):
                     g = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, cid, _EVAL_BATCH_TAG))
                     rows = rows[torch.randperm(len(rows), generator=g)[:batch].to(rows.device)]  # drawn on the host
-                out[cid] = self._loss_at(fed, values, rows)
+                with fed.step_context():  # summed in float64, as fed.eval_loss
+                    out[cid] = float(loss_at(fed.net, values, [fed.batch(r) for r in rows.split(4096)], fed.loss_fn))
         finally:
             fed.net.train(was_training)
         return out
-
-    @staticmethod
-    def _loss_at(fed: FederationView, values: dict[str, Tensor], rows: Tensor, chunk: int = 4096) -> float:
-        """Mean ``loss_fn`` over ``rows`` with the net's tensors replaced by ``values`` (summed in float64 as
-        :meth:`flx.federation.Federation.eval_loss`)."""
-        with fed.step_context():
-            total = sum(
-                fed.loss_fn(torch.func.functional_call(fed.net, values, (fed.data.x[r],)), fed.data.y[r]).double()
-                * len(r)
-                for r in rows.split(chunk)
-            )
-        return float(total) / len(rows)
 
     # ------------------------------------------------------------------ client
     @override
@@ -288,27 +273,13 @@ class LambdaSampling(FederatedCallback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.lam is None or not trainer.loggers:
-            return
-        lam = self.lam.to(logged_dtype(trainer))  # float64 in a float64 run
-        values = {"lambda/max": lam.max(), "lambda/min": lam.min()}
-        if len(lam) <= MAX_LOGGED_CLIENTS:
-            values |= {f"lambda/{i}": v for i, v in enumerate(lam)}
-        pl_module.log_dict(values, on_epoch=True)
+        if self.lam is not None and trainer.loggers:
+            lambda_report.log_lambda(trainer, pl_module, self.lam)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero or not self.history or trainer.fast_dev_run:
-            return
-        os.makedirs(trainer.default_root_dir, exist_ok=True)
-        with open(os.path.join(trainer.default_root_dir, "lambda.json"), "w") as f:
-            json.dump({"round_end": self.history}, f)
-        rounds = range(1, len(self.history) + 1)
-        series = {f"lambda_{i}": list(zip(rounds, col)) for i, col in enumerate(zip(*self.history))}
-        shown = dict(list(series.items())[:MAX_PLOTTED_CLIENTS])
-        shown |= {"max": [(r, max(row)) for r, row in zip(rounds, self.history)]}
-        shown |= {"min": [(r, min(row)) for r, row in zip(rounds, self.history)]}
-        log_line_series(trainer, "lambda/plot", shown, "lambda per client over rounds")
+        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:
+            lambda_report.write_history(trainer, self.history)
 
     @override
     def state_dict(self) -> dict[str, Any]:

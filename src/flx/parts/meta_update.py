@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.autodiff import HVP_MODES
+from flx.autodiff import HVP_MODES, sq_norm
 from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 from flx.parts.personal_model import from_state, keep
@@ -65,7 +65,7 @@ def maml_gradient(
     Eq. 10's central difference at radius ``delta`` along the un-normalised :math:`r`), and :math:`L(\\phi; Q)`."""
     phi = torch._foreach_add(theta, fed.grad_at(theta, support), alpha=-alpha)
     loss, r = fed.value_and_grad_at(phi, query)
-    norm = torch.sqrt(sum(t.double().pow(2).sum() for t in r))  # stays on the device: no host sync per step
+    norm = torch.sqrt(sq_norm(r))  # stays on the device: no host sync per step
     g = fed.hvp(r, support, mode=hessian, params=theta, eps=torch.where(norm > 0, delta * norm, delta))  # r = 0: g = 0
     return loss, torch._foreach_add(r, g, alpha=-alpha)
 

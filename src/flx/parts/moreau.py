@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
-from flx.autodiff import value_and_grad_at
+from flx.autodiff import loss_at as autodiff_loss_at
+from flx.autodiff import sq_norm, value_and_grad_at
 from flx.regularizers import Regularizer
 
 if TYPE_CHECKING:
@@ -58,11 +58,6 @@ def default_tol(dtype: torch.dtype) -> float:
     return 1e4 * torch.finfo(dtype).eps
 
 
-def _sq(tensors: Sequence[Tensor]) -> Tensor:
-    r""":math:`\sum_k \lVert t_k \rVert^2` in float64."""
-    return sum(t.double().pow(2).sum() for t in tensors)
-
-
 def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     return sum((x.double() * y.double()).sum() for x, y in zip(a, b))
 
@@ -75,17 +70,13 @@ def batches(fed: FederationView, rows: Tensor) -> Batches:
     return [fed.batch(part) for part in rows.split(CHUNK)]
 
 
-@torch.no_grad()
 def loss_at(fed: FederationView, theta: Sequence[Tensor], data: Batches) -> Tensor:
     """:math:`f(\\theta)`, the batch-mean ``loss_fn`` over ``data`` at ``theta`` (not the net's values), float64 on
-    the device; the net in its current mode, its buffers untouched."""
+    the device; the net in its current mode, its buffers untouched (:func:`flx.autodiff.loss_at`)."""
     names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
     state = (dict(zip(names, theta)), {n: b.clone() for n, b in fed.net.named_buffers()})
-    total, rows = torch.zeros((), dtype=torch.float64, device=theta[0].device), sum(len(y) for _, y in data)
     with fed.step_context():
-        for x, y in data:
-            total = total + fed.loss_fn(functional_call(fed.net, state, (x,)), y).double() * len(y)
-    return total / rows
+        return autodiff_loss_at(fed.net, state, data, fed.loss_fn)
 
 
 def value_and_grad(fed: FederationView, theta: Sequence[Tensor], data: Batches) -> tuple[Tensor, list[Tensor]]:
@@ -108,11 +99,11 @@ def _smooth(
     f, grad = value_and_grad(fed, theta, data)
     d = torch._foreach_sub(theta, list(w))
     torch._foreach_add_(grad, d, alpha=lam)
-    return f + lam / 2 * _sq(d), grad
+    return f + lam / 2 * sq_norm(d), grad
 
 
 def _phi(fed: FederationView, theta: list[Tensor], w: Sequence[Tensor], data: Batches, lam: float) -> Tensor:
-    return loss_at(fed, theta, data) + lam / 2 * _sq(torch._foreach_sub(theta, list(w)))
+    return loss_at(fed, theta, data) + lam / 2 * sq_norm(torch._foreach_sub(theta, list(w)))
 
 
 def _prox_step(
@@ -125,7 +116,7 @@ def _prox_step(
     for _ in range(MAX_HALVINGS):
         new = reg.prox(torch._foreach_add(y, grad, alpha=-s), s)
         d = torch._foreach_sub(new, y)
-        sq = _sq(d)
+        sq = sq_norm(d)
         excess = _phi(fed, new, w, data, lam) - phi_y - _dot(grad, d) - sq / (2 * s)
         ok, res = torch.stack([excess - slack * phi_y.abs(), sq.sqrt() / s]).tolist()
         if ok <= 0 or not math.isfinite(ok):
