@@ -328,6 +328,10 @@ FAILING = {
     "PMRegularizer": (["algo=augfl", "algo.server_fraction=0"], "needs server rows"),
     "PerFedAvg": (["algo=per_fedavg", "partition=dirichlet"], "Per-FedAvg needs support and query sets"),
     "Subnetwork": (["algo=whale", "system=none"], "system=none: sub-network scheduling needs simulated devices"),
+    "CentralDP": (
+        ["privacy=central", "privacy.noise_multiplier=1.0", "algo.aggregator=count_mean"],
+        "privacy=central noises the weighted mean",
+    ),
 }
 # Structure's check_setup computes the clients' ground truth, Objective's reads which splits hold per-client rows
 NEVER_FAILS = {"Structure", "Objective"}

@@ -19,6 +19,7 @@ from runs import ckpt
 from sklearn.metrics import roc_auc_score
 
 from flx.config import precheck
+from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
 from flx.run import build, train
 from flx.state import ClientStateStore
@@ -649,3 +650,45 @@ def _write_tiny_adult(folder: Path, per_race: int = 8) -> None:
     folder.mkdir(parents=True)
     (folder / "adult.data").write_text("\n".join(rows("")) + "\n")
     (folder / "adult.test").write_text("|1x3 Cross validator\n" + "\n".join(rows(".")) + "\n")
+
+
+DP = [*SMALL, "algo=fedprox", "privacy=central", "privacy.noise_multiplier=1.0", "logger=csv"]
+
+
+def test_issue_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None:
+    """The issue's command on the bundled data: the noise is calibrated before round 1 so that the 30 rounds spend
+    epsilon 8; ``privacy/epsilon`` grows every round in the CSV and the final line ends with it."""
+    proc = _cli(tmp_path, *QUIET, "privacy=central", "privacy.target_epsilon=8")
+    final = proc.stdout.strip().splitlines()[-1]
+    assert final.startswith("final test_acc=") and "epsilon=" in final
+    assert float(final.split("epsilon=")[1].split()[0]) <= 8.0
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("privacy/epsilon")]
+    eps = [float(r["privacy/epsilon"]) for r in rows]
+    assert len(eps) == 30 and all(a < b for a, b in zip(eps, eps[1:])) and eps[-1] <= 8.0 + 1e-5
+    ckpt = _final(tmp_path)
+    (state,) = [v for k, v in ckpt["callbacks"].items() if "CentralDP" in k]
+    assert state["rounds"] == 30 and 1.0 < state["sigma"] < 4.0 and state["epsilon"] <= 8.0
+
+
+def test_privacy_with_fedprox_resume_and_two_processes(tmp_path: Path) -> None:
+    """DP composes with FedProx: 4 rounds == 2 + 2 resumed (bitwise: the noise is a function of (seed, round), the
+    ledger continues), and 2 processes give the 1-process model (every rank draws the same noise)."""
+    base = [*DP, "algo.rounds=4"]
+    train(compose(tmp_path / "a", *base))
+    train(compose(tmp_path / "b", *DP, "algo.rounds=2"))
+    train(compose(tmp_path / "c", *base, f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
+    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    (key,) = [k for k in a["callbacks"] if "CentralDP" in k]
+    assert a["callbacks"][key] == c["callbacks"][key] and a["callbacks"][key]["rounds"] == 4
+    _, _, p1, p2 = _one_and_two_processes(tmp_path / "ddp", *base, part="CentralDP")
+    assert p1 == p2
+
+
+def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path) -> None:
+    """DRFA sends losses besides its model update: privacy=central stops before anything is written, naming it."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="LambdaSampling sends its losses at the snapshot model"):
+        build(compose(out, *DRFA, "privacy=central", "privacy.noise_multiplier=1.0"))
+    assert not (out / "checkpoints").exists()

@@ -31,15 +31,21 @@ def present(metrics: Mapping[str, Any], names: Sequence[str], splits: Sequence[s
     return out
 
 
-def final_line(metrics: Mapping[str, float], names: Sequence[str], job: str | None = None) -> str | None:
-    """``final test_<name>=<value> ...`` over the headline names the test logged (4 decimals), then ``for <job>`` in a
-    sweep (``job``: :func:`flx.launch.job_label`); None when the test logged none of them.
+def final_line(
+    metrics: Mapping[str, float], names: Sequence[str], job: str | None = None, extra: Mapping[str, float] | None = None
+) -> str | None:
+    """``final test_<name>=<value> ...`` over the headline names the test logged, then the ``extra`` values (the
+    parts' final values: ``epsilon``), 4 decimals, then ``for <job>`` in a sweep (``job``:
+    :func:`flx.launch.job_label`); None when the test logged none of the names.
 
     >>> final_line({"test/acc": 0.91234, "test/auroc": 0.8, "test/loss": 0.3}, ("acc", "auroc"), "job 1 (algo.lr=0.1)")
     'final test_acc=0.9123 test_auroc=0.8000 for job 1 (algo.lr=0.1)'
+    >>> final_line({"test/acc": 0.91234}, ("acc",), extra={"epsilon": 7.98765})
+    'final test_acc=0.9123 epsilon=7.9877'
     """
-    values = present(metrics, names, ("test",))
+    values = {key.replace("/", "_"): value for key, value in present(metrics, names, ("test",)).items()}
     if not values:
         return None
-    line = "final " + " ".join(f"{key.replace('/', '_')}={value:.4f}" for key, value in values.items())
+    values |= dict(extra or {})
+    line = "final " + " ".join(f"{key}={value:.4f}" for key, value in values.items())
     return f"{line} for {job}" if job else line

@@ -285,6 +285,7 @@ class FederationView(Protocol):
     global_params: list[Tensor]  # w^t, the round-start snapshot
     float_buffers: list[Tensor]
     local_state: list[Tensor]  # params then float buffers: what a client uploads
+    global_state: list[Tensor]  # the round-start snapshot of local_state (global_params, then the float buffers')
     local_opt: torch.optim.SGD  # the sequential steps' optimizer (a part may set its groups' lr per round)
     loss_fn: Callable[[Tensor, Tensor], Tensor]
     step_context: Callable[[], AbstractContextManager]

@@ -85,7 +85,7 @@ class Federation(PartServices):
         cfg, self.store, self.system = self.spec.cfg, self.spec.store, self.spec.system
         m = self.model = GlobalModel(net)  # the net's tensors and the global model's snapshot of them
         self.params, self.float_buffers, self.local_state = m.params, m.float_buffers, m.local_state
-        self.global_params = m.global_params
+        self.global_params, self.global_state = m.global_params, m.global_state
         super().__init__(cfg, net, self.params, data, loss_fn, step_context, rank, world_size, broadcast)
         self.clock = SimClock(self.system) if self.system is not None else None
         self.server, self.divergence = ServerState(), DivergenceWatch(cfg.diverge_factor, cfg.diverge_rounds)

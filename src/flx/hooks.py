@@ -52,6 +52,7 @@ from lightning.pytorch import Callback
 from torch import Tensor, nn
 
 from flx.context import ClientContext, Cohort, FederationConfig, FederationSpec, FederationView, Round
+from flx.errors import ConfigError
 
 # the headline of a part that personalises (``personalize``): its clients' mean personalised metric, the task's
 # accuracy or MSE (``{split}/personal_<acc|mse>_mean``)
@@ -88,6 +89,17 @@ class FederatedCallback(Callback):
     # algo.vectorize=true: a part that hooks the client path says True and gives its per-step hooks a cohort form
     # (on_cohort_grad, on_cohort_step_end); flx.vectorized
     vectorizable: bool = False
+    # what the part makes clients send besides their model update (a statistic in the round's reduce, a value the
+    # server computes on their rows): each channel named for a person; a privacy guarantee on the model update does
+    # not cover them (check_uploads)
+    uploads: tuple[str, ...] = ()
+    # True for a part whose guarantee covers the model update only (differential privacy): other parts' uploads and
+    # cohort samplers are then refused at start
+    guards_uploads: bool = False
+
+    def final_values(self) -> dict[str, float]:
+        """Values the run's final line ends with (``epsilon=7.98``), after the test's headline metrics."""
+        return {}
 
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
         """Before the Trainer starts: raise a ConfigError for data or protocol settings the part cannot use.
@@ -181,3 +193,26 @@ class FederatedCallback(Callback):
 def overrides(part: FederatedCallback, hook: str) -> bool:
     """Whether ``part`` overrides ``hook`` (so the hot loops skip no-op calls)."""
     return getattr(type(part), hook) is not getattr(FederatedCallback, hook)
+
+
+def check_uploads(parts: Sequence[FederatedCallback]) -> None:
+    """With a part that guards the uploads (``guards_uploads``, differential privacy), raises a one-line
+    :class:`ConfigError` for another part that makes clients send more than their model update (``uploads``) or
+    draws the cohort (the guard's accountant assumes its own sampling)."""
+    guard = next((p for p in parts if p.guards_uploads), None)
+    if guard is None:
+        return
+    name = type(guard).__name__
+    for part in parts:
+        if part is guard:
+            continue
+        if part.uploads:
+            raise ConfigError(
+                f"{name}: {type(part).__name__} sends {part.uploads[0]}, which the privacy guarantee does not cover "
+                "(only the clipped, noised model update is); run it without privacy"
+            )
+        if overrides(part, "sample_clients"):
+            raise ConfigError(
+                f"{name}: {type(part).__name__} draws the cohort, but the privacy accountant assumes the cohort "
+                "privacy.sampling draws; run it without privacy"
+            )

@@ -30,7 +30,7 @@ from flx.datamodules.protocol import data_protocol
 from flx.determinism import cuda_determinism
 from flx.errors import ConfigError, bad_value, instantiate, one_line
 from flx.federation import FederationConfig, FederationSpec
-from flx.hooks import FederatedCallback, overrides
+from flx.hooks import FederatedCallback, check_uploads, overrides
 from flx.launch import (
     DDP_STRATEGIES,
     fork_ranks,
@@ -194,6 +194,8 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
         net, fed, dm.data.num_classes, dm.metric_clients(), fingerprint=fingerprint(cfg), task=task
     )
     parts = _instantiate_group(cfg.algo.get("parts"))
+    if cfg.get("privacy"):  # last: it clips what the other parts left in the upload, and its weights win
+        parts.append(instantiate(cfg.privacy))
     check_parts(cfg, dm, fed, net, task, parts)
     return dm, module, build_trainer(cfg, parts)
 
@@ -203,7 +205,8 @@ def check_parts(
 ) -> None:
     """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
     part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
-    against the keys the task and parts log (:func:`flx.checks.check_monitor`)."""
+    against the keys the task and parts log (:func:`flx.checks.check_monitor`), and a privacy part's composition
+    (:func:`flx.hooks.check_uploads`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
     for part in fed_parts:
         part.check_setup(dm, fed.cfg)
@@ -211,6 +214,7 @@ def check_parts(
         part.check_federation(dm, fed, net)
     if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
         raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
+    check_uploads(fed_parts)
     if fed.cfg.vectorize:
         vectorized.check(net, fed_parts)
     if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
@@ -287,10 +291,11 @@ def _tested_checkpoint(cfg: DictConfig, trainer: pl.Trainer) -> str | None:
     return best
 
 
-def print_final_line(metrics: dict[str, float], names: tuple[str, ...]) -> None:
-    """``final test_acc=0.9123 test_auroc=0.8812`` (the headline metrics of the test), then ``for job <n> (<swept
-    overrides>)`` in a ``-m`` sweep (:mod:`flx.console`, :func:`flx.launch.job_label`)."""
-    line = final_line(metrics, names, job_label())
+def print_final_line(metrics: dict[str, float], names: tuple[str, ...], extra: dict[str, float] | None = None) -> None:
+    """``final test_acc=0.9123 test_auroc=0.8812`` (the headline metrics of the test, then the parts' ``extra`` final
+    values: ``epsilon=7.9812``), then ``for job <n> (<swept overrides>)`` in a ``-m`` sweep (:mod:`flx.console`,
+    :func:`flx.launch.job_label`)."""
+    line = final_line(metrics, names, job_label(), extra)
     if line is not None:
         print(line, flush=True)
 
@@ -316,7 +321,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
     finish(trainer)  # W&B: the run's files are complete when train returns
     if trainer.is_global_zero:
-        print_final_line(metrics, headline(module.task, trainer.callbacks))
+        extra = {
+            k: v for cb in trainer.callbacks if isinstance(cb, FederatedCallback) for k, v in cb.final_values().items()
+        }
+        print_final_line(metrics, headline(module.task, trainer.callbacks), extra)
     # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
     # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
     # exception", status -6)

@@ -75,6 +75,8 @@ class CodascaParams:
 class Codasca(FederatedCallback):
     """The AUC-M local objective, its primal-dual local steps with control variates, and the stage schedule."""
 
+    uploads = ("its control variates and AUC statistics (CODASCA)",)
+
     def __init__(self, **params: Any) -> None:
         self.params = p = CodascaParams(**params)
         for key, value, allowed in (

@@ -81,6 +81,7 @@ class LambdaParams:
 class LambdaSampling(FederatedCallback):
     """The server's mixing weights ``lambda``: cohort sampling, snapshot model, projected (or prox) dual ascent."""
 
+    uploads = ("its losses at the snapshot model (DRFA's lambda step)",)
     headline = ("client_acc_worst", "client_mse_worst")  # the worst client: what DRFA optimises
     vectorizable = True  # algo.vectorize: the snapshot w^(t') is taken from the stacked clients (on_cohort_step_end)
 

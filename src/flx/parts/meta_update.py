@@ -88,6 +88,8 @@ class MetaUpdateParams:
 class MetaUpdate(FederatedCallback):
     """AugFL's closed-form client step (``local_update``) and its upload ``u_i = y_i + rho theta_i`` (weight rho)."""
 
+    uploads = ("its ADMM dual and query-set gradients (AugFL's meta-update)",)
+
     def __init__(self, **params: Any) -> None:
         self.params = p = MetaUpdateParams(**params)
         if not p.alpha >= 0:

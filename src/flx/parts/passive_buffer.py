@@ -100,6 +100,7 @@ class PassiveBuffer(FederatedCallback):
     Symbols: ``gamma`` (u rate), ``beta`` (momentum rate), ``lam`` (KL-OPAUC temperature), ``margin``.
     """
 
+    uploads = ("the prediction scores of its rows (the passive buffers)",)
     headline = ("auroc", "pauc_0.3", "pauc_0.5")  # the paper's Tables 2-3
     # algo.vectorize: sample_batch and local_loss run per client inside the stacked step (each client draws from its
     # own generator, in the sequential order), the momentum per client on the stacked gradients (on_cohort_grad)

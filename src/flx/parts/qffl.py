@@ -96,6 +96,8 @@ class QFFL(FederatedCallback):
     Symbols: ``q``, ``L`` (lipschitz), ``F_k`` (client loss at ``w^t``), ``a_k = F_k^q``, ``h_k``, ``s``.
     """
 
+    uploads = ("its loss (q-FFL's h_i weights)",)
+
     def __init__(self, q: float = 0.2, lipschitz: float | None = None) -> None:
         if not 0 <= q < math.inf:
             raise bad_value("algo.q", q, "must be a finite number >= 0 (q = 0 is FedAvg)")

@@ -83,6 +83,8 @@ class SubnetworkParams:
 class Subnetwork(FederatedCallback):
     """Per-round width levels (WHALE-FL or fixed), sub-model masks, Fisher windows and static-BN evaluation."""
 
+    uploads = ("its Fisher values (WHALE-FL's level schedule)",)
+
     def __init__(self, **params: Any) -> None:
         if "max_levels" in params and params["max_levels"] is not None:
             params["max_levels"] = {str(k): int(v) for k, v in dict(params["max_levels"]).items()}

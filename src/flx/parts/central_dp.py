@@ -1,0 +1,256 @@
+r"""User-level central differential privacy: DP-FedAvg with clipping, Gaussian noise and an accountant.
+
+McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent Language Models", ICLR 2018
+(arXiv:1710.06963), Algorithm 1 with the fixed-denominator estimator :math:`\tilde f_f`; adaptive clipping from
+Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive Clipping", NeurIPS 2021
+(arXiv:1905.03871), Algorithm 1. Round :math:`t`, global model :math:`w^t`, clip :math:`C`, noise multiplier
+:math:`\sigma`, expected cohort size :math:`\bar m = qN`:
+
+1. the cohort is drawn by this part (``privacy.sampling``): ``poisson``, every client independently with probability
+   :math:`q = m / N` (``algo.clients_per_round`` is then the expected size), or ``fixed``, :math:`m` of :math:`N`
+   without replacement; the accountant matches it (:mod:`flx.privacy`);
+2. each client's update :math:`\Delta_i = w_i - w^t` (everything it uploads: trainable parameters and float buffers)
+   is clipped, :math:`\hat\Delta_i = \Delta_i \min(1, C / \lVert \Delta_i \rVert_2)` (flat), or each of its
+   :math:`L` tensors to :math:`C / \sqrt{L}` (``clip_mode=per_layer``: the whole still within :math:`C`); every
+   client counts once (weight 1, whatever ``algo.weighting``);
+3. the server adds noise once to the sum and divides by the expected cohort size, not the drawn one:
+   :math:`w^{t+1} = w^t + \big(\sum_i \hat\Delta_i + \mathcal N(0, \sigma_\Delta^2 C^2 I)\big) / \bar m`, then the
+   configured server optimizer steps towards it. The noise is drawn from a generator seeded by ``(seed, round)``,
+   the same on every rank, so 2 processes give the run of 1 and a resumed run the uninterrupted one; a real
+   deployment would draw it from a secure source on the server;
+4. adaptive clipping (``adaptive=true``): clients also send :math:`b_i = [\lVert \Delta_i \rVert \le C]`, the server
+   releases :math:`\tilde b = (\sum_i b_i + \mathcal N(0, \sigma_b^2)) / \bar m` and sets
+   :math:`C \leftarrow C \exp(-\eta_C (\tilde b - \gamma))` (target quantile :math:`\gamma`); the update's noise is
+   raised to :math:`\sigma_\Delta` so that both releases together cost one Gaussian of :math:`\sigma`
+   (:func:`flx.privacy.update_noise`); without it :math:`\sigma_\Delta = \sigma`.
+
+A round with an empty Poisson cohort leaves the model as it is (no release depends on the data) and is still
+accounted. ``privacy/epsilon`` (at ``privacy.delta``) is logged every round and ends the final line; with
+``target_epsilon`` and no ``noise_multiplier`` the noise is calibrated before round 1 so that ``algo.rounds`` rounds
+spend it; with both, ``target_epsilon`` is a budget and the run stops before a round that would exceed it.
+
+What this covers: the global model. Parts that upload more than the model update (scores, losses, Fisher values,
+duals, personal models) are refused at start, naming the channel (``FederatedCallback.uploads``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from flx import privacy
+from flx.errors import ConfigError, bad_value
+from flx.hooks import FederatedCallback
+from flx.sampling import derive_seed
+
+if TYPE_CHECKING:
+    from flx.context import ClientContext, FederationConfig, FederationView, Round
+
+CLIP_MODES = ("flat", "per_layer")
+_NOISE_TAG = 0x4450  # "DP": the round's noise stream, derive_seed(seed, round, tag)
+_COUNT, _BELOW = "privacy/count", "privacy/below"  # clients aggregated; clients within the clip (adaptive)
+
+
+@dataclass(frozen=True)
+class PrivacyParams:
+    """The ``privacy.*`` keys (``configs/privacy/central.yaml``)."""
+
+    clip: float = 0.1
+    clip_mode: str = "flat"
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    sampling: str = "poisson"
+    accountant: str = "pld"
+    adaptive: bool = False
+    target_quantile: float = 0.5
+    clip_lr: float = 0.2
+    count_noise: float | None = None
+
+
+class CentralDP(FederatedCallback):
+    """Clips every client's update, noises the cohort's sum once on the server, accounts for every round."""
+
+    guards_uploads = True
+    vectorizable = True  # on_client_end runs with each client's model in the net on both runners
+
+    def __init__(self, **params: Any) -> None:
+        self.params = p = PrivacyParams(**params)
+        if not p.clip > 0:
+            raise bad_value("privacy.clip", p.clip, "the L2 clip of a client's update, > 0")
+        if p.clip_mode not in CLIP_MODES:
+            raise bad_value("privacy.clip_mode", p.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
+        if p.noise_multiplier is None and p.target_epsilon is None:
+            raise bad_value("privacy.noise_multiplier", None, "set it (> 0) or privacy.target_epsilon to calibrate it")
+        if p.noise_multiplier is not None and not p.noise_multiplier > 0:
+            raise bad_value("privacy.noise_multiplier", p.noise_multiplier, "> 0 (no noise is no privacy)")
+        if p.target_epsilon is not None and not p.target_epsilon > 0:
+            raise bad_value("privacy.target_epsilon", p.target_epsilon, "> 0")
+        if not 0 < p.delta < 1:
+            raise bad_value("privacy.delta", p.delta, "in (0, 1), below 1 / (number of clients)")
+        try:
+            privacy.check_pairing(p.sampling, p.accountant)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not 0 < p.target_quantile < 1:
+            raise bad_value("privacy.target_quantile", p.target_quantile, "in (0, 1)")
+        if not p.clip_lr > 0:
+            raise bad_value("privacy.clip_lr", p.clip_lr, "> 0")
+        self.clip = float(p.clip)  # C, moved by adaptive clipping
+        self.sigma: float | None = p.noise_multiplier  # sigma, or calibrated at the fit's start
+        self.mechanism: privacy.Mechanism | None = None
+        self.rounds = 0  # rounds accounted
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+        p, n = self.params, datamodule.num_clients
+        if cfg.aggregator != "mean":
+            raise bad_value("algo.aggregator", cfg.aggregator, "privacy=central noises the weighted mean: use mean")
+        if not cfg.clients_per_round <= n:
+            raise bad_value("algo.clients_per_round", cfg.clients_per_round, f"at most the {n} clients")
+        if p.delta >= 1 / n:
+            raise bad_value("privacy.delta", p.delta, f"below 1 / N = {1 / n:g} (else one client may be exposed)")
+        self._setup(n, cfg.clients_per_round, cfg.rounds)
+
+    def _setup(self, num_clients: int, cohort: int, rounds: int) -> None:
+        """The round's mechanism; the noise multiplier calibrated to ``target_epsilon`` over ``rounds`` rounds when
+        none is set (once: a resumed run has it from its checkpoint, the same number)."""
+        p = self.params
+        mechanism = privacy.Mechanism(p.sampling, 1.0, num_clients, cohort)
+        if self.sigma is None:
+            self.sigma = privacy.calibrate(p.target_epsilon, mechanism, rounds, p.delta, p.accountant)
+        self.mechanism = dataclasses.replace(mechanism, noise_multiplier=float(self.sigma))
+        if p.adaptive:
+            try:
+                self._update_sigma()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+    def _count_noise(self) -> float:
+        """:math:`\\sigma_b`: ``privacy.count_noise``, default :math:`\\bar m / 20` (Andrew et al. 2021, Sec. 4)."""
+        p = self.params
+        return float(p.count_noise) if p.count_noise is not None else self.mechanism.cohort / 20
+
+    @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("privacy/epsilon", "privacy/clip")
+
+    @override
+    def on_attach(self, fed: FederationView) -> None:
+        if self.mechanism is None:  # a federation built without the run's checks (tests): its own sizes
+            self._setup(fed.num_clients, fed.cfg.clients_per_round, fed.cfg.rounds)
+        fed.register_stat(_COUNT, torch.zeros(1, dtype=torch.float64))
+        fed.register_stat(_BELOW, torch.zeros(1, dtype=torch.float64))
+
+    # ------------------------------------------------------------------ the round
+    @override
+    def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> list[int]:
+        n, m = fed.num_clients, self.mechanism.cohort
+        if self.params.sampling == "poisson":
+            return np.flatnonzero(rng.random(n) < m / n).tolist()
+        return sorted(rng.choice(n, size=m, replace=False).tolist())
+
+    @override
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
+        client.weight = 1.0  # user-level DP: every client counts once (the mean below is unweighted)
+
+    @override
+    @torch.no_grad()
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
+        delta = torch._foreach_sub(fed.local_state, fed.global_state)
+        norms = torch.stack([d.double().norm() for d in delta]) if delta else torch.zeros(0, dtype=torch.float64)
+        total = float(norms.square().sum().sqrt())
+        if self.params.clip_mode == "flat":
+            factors = [min(1.0, self.clip / total) if total > 0 else 1.0] * len(delta)
+        else:
+            per = self.clip / math.sqrt(max(len(delta), 1))
+            factors = [min(1.0, per / float(v)) if float(v) > 0 else 1.0 for v in norms]
+        for t, g, d, f in zip(fed.local_state, fed.global_state, delta, factors):
+            t.copy_(g + d * f)
+        fed.stat(_COUNT)[0] += 1
+        fed.stat(_BELOW)[0] += float(total <= self.clip)
+
+    @override
+    @torch.no_grad()
+    def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
+        """``mean`` is :math:`w^t + \\frac1K \\sum_i \\hat\\Delta_i` (weights 1); it becomes
+        :math:`w^t + (\\sum_i \\hat\\Delta_i + \\text{noise}) / \\bar m`."""
+        count, m_bar = float(fed.stat(_COUNT)[0]), float(self.mechanism.cohort)
+        noise = self._noise(fed, rnd.round, [t.numel() for t in mean])
+        for t, g, z in zip(mean, fed.global_state, noise):
+            total = (t.double() - g.double()) * count + z.reshape(t.shape) * (self._update_sigma() * self.clip)
+            t.copy_(g.double() + total / m_bar)
+        if self.params.adaptive:
+            below = float(fed.stat(_BELOW)[0]) + float(noise[-1][0]) * self._count_noise()
+            p = self.params
+            self.clip *= math.exp(-p.clip_lr * (below / m_bar - p.target_quantile))
+
+    def _update_sigma(self) -> float:
+        """:math:`\\sigma_\\Delta`: the update's noise multiplier (raised under adaptive clipping)."""
+        if not self.params.adaptive:
+            return self.sigma
+        return privacy.update_noise(self.sigma, self._count_noise())
+
+    def _noise(self, fed: FederationView, round_idx: int, sizes: list[int]) -> list[Tensor]:
+        """Standard normal draws for every entry of the upload, then one for the clipped count: from a generator
+        seeded by ``(seed, round)``, in float64 on the host, the same on every rank."""
+        g = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, _NOISE_TAG))
+        z = torch.randn(sum(sizes) + 1, generator=g, dtype=torch.float64)
+        device = fed.params[0].device
+        return [part.to(device) for part in z.split([*sizes, 1])]
+
+    @override
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
+        self.rounds = rnd.round + 1
+
+    def spent(self, rounds: int | None = None) -> float:
+        """:math:`\\varepsilon` at ``privacy.delta`` after ``rounds`` rounds (default: the rounds run so far)."""
+        p = self.params
+        return privacy.epsilon(self.mechanism, self.rounds if rounds is None else rounds, p.delta, p.accountant)
+
+    # ------------------------------------------------------------------ budget, logging, checkpoint
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log_dict({"privacy/epsilon": self.spent(), "privacy/clip": self.clip}, on_epoch=True)
+        budget = self.params.target_epsilon
+        if budget is None or trainer.should_stop or self.rounds >= (trainer.max_epochs or 0):
+            return
+        upcoming = self.spent(self.rounds + 1)
+        if upcoming > budget:
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                print(
+                    f"flx: privacy budget: round {self.rounds + 1} would spend epsilon={upcoming:.4f} > "
+                    f"privacy.target_epsilon={budget:g} (delta={self.params.delta:g}); stopped after round "
+                    f"{self.rounds} at epsilon={self.spent():.4f}",
+                    flush=True,
+                )
+
+    @override
+    def final_values(self) -> dict[str, float]:
+        return {"epsilon": self.spent()}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"clip": self.clip, "sigma": self.sigma, "rounds": self.rounds, "epsilon": self.spent()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes the ledger: the rounds accounted, the noise multiplier and the clip (epsilon is recomputed from
+        them, the same number; the stored one is for readers of the checkpoint)."""
+        self.clip, self.sigma, self.rounds = (
+            float(state_dict["clip"]),
+            float(state_dict["sigma"]),
+            int(state_dict["rounds"]),
+        )
+        if self.mechanism is not None:
+            self.mechanism = dataclasses.replace(self.mechanism, noise_multiplier=self.sigma)

@@ -1,0 +1,185 @@
+r"""Privacy accounting of user-level central DP (the DP-FedAvg family): what a run's rounds have cost, as
+:math:`(\varepsilon, \delta)`, from Google's ``dp-accounting`` library.
+
+A round releases the sum of the cohort's clipped model updates (each of L2 norm at most :math:`C`) plus Gaussian
+noise of standard deviation :math:`\sigma C` (McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private
+Recurrent Language Models", ICLR 2018, arXiv:1710.06963). The privacy unit is a client: all its rows. How the cohort
+is drawn decides the neighbouring relation and so the event the accountant composes:
+
+* ``poisson``: every client joins the round independently with probability :math:`q`. Neighbouring federations differ
+  by one client being present or absent, the sum's sensitivity is :math:`C`, and a round is
+  ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` (PLD or RDP accountant).
+* ``fixed``: :math:`m` of the :math:`N` clients without replacement. :math:`N` is public and neighbours replace one
+  client's data, so the sum's sensitivity is :math:`2C`: a round is ``SampledWithoutReplacementDpEvent(N, m,
+  GaussianDpEvent(sigma / 2))`` (Wang, Balle, Kasiviswanathan, AISTATS 2019, Theorem 27; the library has it for the
+  RDP accountant only).
+
+With adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive
+Clipping", NeurIPS 2021, arXiv:1905.03871) a round releases a second Gaussian sum, the count of clients whose update
+norm was at most :math:`C` (each reports :math:`b_i - 1/2`, sensitivity 1/2 under add/remove), with noise
+:math:`\sigma_b`. The pair costs exactly one Gaussian mechanism with :math:`\sigma` when the update's noise is raised
+to :math:`\sigma_\Delta = (\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}` (their Theorem 1; under ``fixed`` both
+sensitivities double and the same identity holds), so the accountant sees :math:`\sigma` in both cases
+(:func:`update_noise`).
+
+:math:`\varepsilon` after :math:`T` rounds is a pure function of :math:`(q, \sigma, T, \delta)` (:func:`epsilon`):
+a resumed run computes what the uninterrupted one did, to the bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+ACCOUNTANTS = ("pld", "rdp")
+SAMPLINGS = ("poisson", "fixed")
+PLD_DISCRETIZATION = 1e-3  # the PLD grid (the library default: 1e-4): an upper bound either way, 8x faster
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One round's release, as the accountant needs it.
+
+    Attributes:
+        sampling: ``poisson`` (each client with probability ``cohort / num_clients``) or ``fixed`` (``cohort`` of
+            ``num_clients`` without replacement).
+        noise_multiplier: :math:`\\sigma`, the noise's standard deviation over the clip :math:`C` (the total one with
+            adaptive clipping: :func:`update_noise`).
+        num_clients: :math:`N`, the clients that can be drawn.
+        cohort: the expected cohort size :math:`qN` (``poisson``) or the cohort size :math:`m` (``fixed``).
+    """
+
+    sampling: str
+    noise_multiplier: float
+    num_clients: int
+    cohort: int
+
+    @property
+    def q(self) -> float:
+        """The sampling rate :math:`q = m / N`."""
+        return self.cohort / self.num_clients
+
+
+def check_pairing(sampling: str, accountant: str) -> None:
+    """Raises ``ValueError`` (one line) for a sampling the accountant cannot account for."""
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"privacy.sampling={sampling}: allowed: {', '.join(SAMPLINGS)}")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"privacy.accountant={accountant}: allowed: {', '.join(ACCOUNTANTS)}")
+    if sampling == "fixed" and accountant != "rdp":
+        raise ValueError(
+            f"privacy.accountant={accountant}: fixed-size sampling (privacy.sampling=fixed) is accounted by rdp only "
+            "(sampling without replacement); use privacy.accountant=rdp or privacy.sampling=poisson"
+        )
+
+
+def round_event(mech: Mechanism) -> Any:
+    """The ``dp_accounting`` event of one round (see the module docstring)."""
+    import dp_accounting
+
+    if mech.sampling == "poisson":
+        return dp_accounting.PoissonSampledDpEvent(mech.q, dp_accounting.GaussianDpEvent(mech.noise_multiplier))
+    gaussian = dp_accounting.GaussianDpEvent(mech.noise_multiplier / 2)  # replace-one: the sum moves by up to 2C
+    return dp_accounting.SampledWithoutReplacementDpEvent(mech.num_clients, mech.cohort, gaussian)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The RDP accountant warns (absl) each time it drops a fractional order whose series does not converge (large
+    ``q``); dropping an order only loosens the bound, so the warnings are kept out of the run's output."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _accountant(name: str, sampling: str) -> Any:
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    if name == "pld":
+        return pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    relation = dp_accounting.NeighboringRelation
+    rel = relation.REPLACE_ONE if sampling == "fixed" else relation.ADD_OR_REMOVE_ONE
+    return rdp_privacy_accountant.RdpAccountant(neighboring_relation=rel)
+
+
+@lru_cache(maxsize=4096)
+def epsilon(mech: Mechanism, rounds: int, delta: float, accountant: str = "pld") -> float:
+    """:math:`\\varepsilon` at ``delta`` after ``rounds`` rounds of ``mech`` (0 before the first; ``inf`` without
+    noise), from a fresh accountant: the same number whenever it is asked."""
+    if rounds <= 0:
+        return 0.0
+    if mech.noise_multiplier <= 0:
+        return math.inf
+    import dp_accounting
+
+    acc = _accountant(accountant, mech.sampling)
+    with _quiet():
+        acc.compose(dp_accounting.SelfComposedDpEvent(round_event(mech), rounds))
+        return float(acc.get_epsilon(delta))
+
+
+SIGMA_FLOOR = 0.1  # calibration searches sigma >= this: below it the PLD grid grows as 1 / sigma^2
+
+
+def calibrate(target_epsilon: float, mech: Mechanism, rounds: int, delta: float, accountant: str = "pld") -> float:
+    """The smallest noise multiplier :math:`\\sigma` (to 1e-4 relative) whose ``rounds`` rounds cost at most
+    ``target_epsilon`` at ``delta`` (``mech.noise_multiplier`` is ignored): a bracket by doubling from 1, then the
+    library's Brent search inside it, then stepped up until the budget holds (Brent stops within its tolerance on
+    either side).
+
+    Raises:
+        ValueError: the target is met even at :data:`SIGMA_FLOOR` (set the noise multiplier instead)."""
+    import dp_accounting
+
+    def spent(sigma: float) -> float:
+        return epsilon(_with(mech, sigma), rounds, delta, accountant)
+
+    low, high = 0.5, 1.0
+    while spent(high) > target_epsilon:
+        low, high = high, high * 2
+    while spent(low) <= target_epsilon:
+        if low <= SIGMA_FLOOR:
+            raise ValueError(
+                f"privacy.target_epsilon={target_epsilon:g}: met with noise_multiplier={SIGMA_FLOOR:g} already "
+                "(calibration stops there); set privacy.noise_multiplier"
+            )
+        low, high = max(low / 2, SIGMA_FLOOR), low
+    with _quiet():
+        sigma = dp_accounting.calibrate_dp_mechanism(
+            lambda: _accountant(accountant, mech.sampling),
+            lambda s: dp_accounting.SelfComposedDpEvent(round_event(_with(mech, s)), rounds),
+            target_epsilon,
+            delta,
+            dp_accounting.ExplicitBracketInterval(low, high),
+            tol=1e-5,
+        )
+    while spent(sigma) > target_epsilon:
+        sigma *= 1 + 1e-4
+    return float(sigma)
+
+
+def _with(mech: Mechanism, sigma: float) -> Mechanism:
+    return Mechanism(mech.sampling, float(sigma), mech.num_clients, mech.cohort)
+
+
+def update_noise(sigma: float, count_noise: float) -> float:
+    """:math:`\\sigma_\\Delta = (\\sigma^{-2} - (2\\sigma_b)^{-2})^{-1/2}`: the update's noise multiplier that, with the
+    clipped-count release of noise ``count_noise`` (:math:`\\sigma_b`), costs one Gaussian of ``sigma``
+    (Andrew et al. 2021, Theorem 1). Needs :math:`2\\sigma_b > \\sigma`."""
+    if not 2 * count_noise > sigma:
+        raise ValueError(
+            f"privacy.count_noise={count_noise:g}: must exceed noise_multiplier / 2 = {sigma / 2:g} "
+            "(the clipped count would spend the whole budget)"
+        )
+    return (sigma**-2 - (2 * count_noise) ** -2) ** -0.5

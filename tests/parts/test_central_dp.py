@@ -1,0 +1,164 @@
+"""User-level central DP (:class:`flx.parts.central_dp.CentralDP`): a round computed by hand, the noise's mean and
+variance over many rounds, clipping (flat and per layer), Poisson cohorts, adaptive clipping's step, the budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import linear, make_fed, run_rounds, toy_data
+from torch import Tensor
+
+from flx import privacy
+from flx.errors import ConfigError
+from flx.hooks import FederatedCallback, check_uploads
+from flx.parts.central_dp import _NOISE_TAG, CentralDP
+from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.prox import Prox
+from flx.sampling import derive_seed
+
+
+class Uploads(FederatedCallback):
+    """Records each client's model before the DP part clips it (it runs first)."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, list[Tensor]] = {}
+
+    def on_client_end(self, fed, client) -> None:
+        self.models[client.cid] = [t.detach().clone() for t in fed.local_state]
+
+
+def _dp(**kw) -> CentralDP:
+    return CentralDP(**{"noise_multiplier": 1.0, "sampling": "fixed", "accountant": "rdp", **kw})
+
+
+def test_one_round_by_hand() -> None:
+    """``w^1 = w^0 + (sum_i clip(w_i - w^0) + sigma C z) / m`` with ``z`` the ``(seed, round)`` stream's normals."""
+    sizes, m, clip, sigma = [20, 30, 25, 40, 35, 30], 3, 0.05, 0.7
+    net = linear()
+    w0 = [p.detach().clone() for p in net.parameters()]
+    seen, dp = Uploads(), _dp(clip=clip, noise_multiplier=sigma)
+    fed = make_fed(net, toy_data(sizes), [seen, dp], clients_per_round=m, rounds=1, lr=0.5, local_steps=5)
+    run_rounds(fed, 1)
+    assert sorted(seen.models) == list(fed.rnd.cohort) and len(seen.models) == m
+    total = [torch.zeros_like(w, dtype=torch.float64) for w in w0]
+    for model in seen.models.values():
+        delta = [(t - w).double() for t, w in zip(model, w0)]
+        norm = math.sqrt(sum(float(d.square().sum()) for d in delta))
+        assert norm > clip  # the case clipping matters in
+        for acc, d in zip(total, delta):
+            acc += d * (clip / norm)
+    g = torch.Generator().manual_seed(derive_seed(0, 0, _NOISE_TAG))
+    z = torch.randn(sum(w.numel() for w in w0) + 1, generator=g, dtype=torch.float64)
+    zs = z[:-1].split([w.numel() for w in w0])
+    for p, w, s, zi in zip(net.parameters(), w0, total, zs):
+        expected = w.double() + (s + sigma * clip * zi.reshape(w.shape)) / m
+        torch.testing.assert_close(p.detach().double(), expected, rtol=0, atol=1e-6)
+    assert dp.rounds == 1 and dp.spent() == pytest.approx(
+        privacy.epsilon(privacy.Mechanism("fixed", sigma, 6, m), 1, 1e-5, "rdp")
+    )
+
+
+def test_noise_on_the_aggregate_has_the_configured_mean_and_variance() -> None:
+    """Clients that do not move (lr 0): each round's global step is pure noise, ``N(0, (sigma C / m)^2)`` per entry.
+    Over 300 rounds x 18 entries the sample mean and variance must lie in their 99.9% intervals."""
+    sigma, clip, m, rounds = 2.0, 0.3, 4, 300
+    net = linear()
+    fed = make_fed(net, toy_data([10] * 8), [_dp(clip=clip, noise_multiplier=sigma)], clients_per_round=m, lr=0.0)
+    steps = []
+    for r in range(rounds):
+        before = torch.cat([p.detach().reshape(-1).double() for p in net.parameters()])
+        run_rounds(fed, 1, start=r)
+        steps.append(torch.cat([p.detach().reshape(-1).double() for p in net.parameters()]) - before)
+    x = torch.cat(steps)
+    n, std = x.numel(), sigma * clip / m
+    assert abs(float(x.mean())) < 3.3 * std / math.sqrt(n)
+    # chi-square with n degrees of freedom: var / std^2 within 1 +- 3.3 sqrt(2 / n)
+    ratio = float(x.square().mean()) / std**2
+    assert abs(ratio - 1) < 3.3 * math.sqrt(2 / n)
+
+
+class FakeFed:
+    """What on_client_end reads: the upload, its round-start snapshot, the two statistics."""
+
+    def __init__(self, local: list[Tensor], start: list[Tensor]) -> None:
+        self.local_state, self.global_state = local, start
+        self.stats = {"privacy/count": torch.zeros(1, dtype=torch.float64), "privacy/below": torch.zeros(1)}
+
+    def stat(self, name: str) -> Tensor:
+        return self.stats[name]
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_clipping_closed_form(mode: str) -> None:
+    start = [torch.zeros(3), torch.zeros(4)]
+    dp = _dp(clip=1.0, clip_mode=mode)
+    big = FakeFed([torch.tensor([3.0, 0.0, 4.0]), torch.tensor([0.0, 0.0, 0.0, 0.5])], start)  # norms 5, 0.5
+    dp.on_client_end(big, None)
+    if mode == "flat":  # the whole update, norm sqrt(25.25), scaled to norm 1
+        f = 1 / math.sqrt(25.25)
+        torch.testing.assert_close(big.local_state[0], torch.tensor([3.0, 0.0, 4.0]) * f)
+        torch.testing.assert_close(big.local_state[1], torch.tensor([0.0, 0.0, 0.0, 0.5]) * f)
+    else:  # each tensor to 1 / sqrt(2): the first is clipped, the second (0.5 < 0.707) kept
+        torch.testing.assert_close(big.local_state[0], torch.tensor([3.0, 0.0, 4.0]) / 5 / math.sqrt(2))
+        torch.testing.assert_close(big.local_state[1], torch.tensor([0.0, 0.0, 0.0, 0.5]))
+    small = FakeFed([torch.tensor([0.3, 0.0, 0.4]), torch.zeros(4)], start)  # norm 0.5: untouched either way
+    dp.on_client_end(small, None)
+    torch.testing.assert_close(small.local_state[0], torch.tensor([0.3, 0.0, 0.4]))
+    assert float(big.stats["privacy/count"]) == 1 and float(big.stats["privacy/below"]) == 0
+    assert float(small.stats["privacy/below"]) == 1
+
+
+def test_poisson_cohorts_are_binomial() -> None:
+    """Each client joins with probability q = m / N, independently: over 400 rounds the cohort size averages m
+    and every client's share of rounds is q, within 99.9% intervals."""
+    import numpy as np
+
+    n, m, rounds = 50, 5, 400
+    dp = CentralDP(noise_multiplier=1.0)
+    fed = make_fed(linear(), toy_data([4] * n), [dp], clients_per_round=m, lr=0.0, local_steps=1)
+    counts = np.zeros(n)
+    sizes = []
+    for r in range(rounds):
+        cohort = fed.sample(r)
+        assert len(set(cohort)) == len(cohort)
+        sizes.append(len(cohort))
+        counts[cohort] += 1
+    q = m / n
+    assert abs(np.mean(sizes) - m) < 3.3 * math.sqrt(n * q * (1 - q) / rounds)
+    assert np.all(np.abs(counts / rounds - q) < 4.5 * math.sqrt(q * (1 - q) / rounds))  # 50 clients: a wider band
+
+
+def test_adaptive_clip_follows_the_noised_count() -> None:
+    """``C <- C exp(-eta (b~ - gamma))`` with ``b~ = (sum_i b_i + sigma_b z) / m``, ``z`` the stream's last normal."""
+    dp = _dp(clip=10.0, adaptive=True, target_quantile=0.5, clip_lr=0.2, count_noise=3.0, noise_multiplier=1.0)
+    fed = make_fed(linear(), toy_data([20] * 6), [dp], clients_per_round=3, lr=0.1, local_steps=2)
+    run_rounds(fed, 1)  # every update is far below C = 10: b_i = 1 for all 3
+    g = torch.Generator().manual_seed(derive_seed(0, 0, _NOISE_TAG))
+    z = torch.randn(sum(p.numel() for p in fed.params) + 1, generator=g, dtype=torch.float64)[-1]
+    b = (3 + 3.0 * float(z)) / 3
+    assert dp.clip == pytest.approx(10.0 * math.exp(-0.2 * (b - 0.5)), rel=1e-12)
+    assert dp._update_sigma() ** -2 + (2 * 3.0) ** -2 == pytest.approx(1.0, rel=1e-12)
+
+
+def test_composition_refuses_channels_it_does_not_cover() -> None:
+    check_uploads([Prox(mu=0.1), CentralDP(noise_multiplier=1.0)])  # FedProx uploads only its model
+    with pytest.raises(ConfigError, match="LambdaSampling sends its losses at the snapshot model"):
+        check_uploads([LambdaSampling(), CentralDP(noise_multiplier=1.0)])
+    check_uploads([LambdaSampling()])  # without privacy, nothing to check
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"clip": 0}, "privacy.clip=0"),
+        ({}, "privacy.noise_multiplier=None: set it"),
+        ({"noise_multiplier": 1.0, "sampling": "fixed"}, "privacy.accountant=pld: fixed-size sampling"),
+        ({"noise_multiplier": 1.0, "clip_mode": "tensor"}, "privacy.clip_mode='tensor'"),
+        ({"noise_multiplier": 1.0, "delta": 1.5}, "privacy.delta=1.5"),
+    ],
+)
+def test_bad_settings_are_one_line(kw, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        CentralDP(**kw)
