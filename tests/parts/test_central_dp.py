@@ -162,3 +162,15 @@ def test_composition_refuses_channels_it_does_not_cover() -> None:
 def test_bad_settings_are_one_line(kw, match) -> None:
     with pytest.raises(ConfigError, match=match):
         CentralDP(**kw)
+
+
+def test_stacked_clients_give_the_sequential_round() -> None:
+    """``algo.vectorize=true``: the clipping runs in each client's end with its model in the net, as sequentially."""
+    models = []
+    for vectorize in (False, True):
+        net = linear()
+        fed = make_fed(net, toy_data([20, 30, 25, 40]), [_dp(clip=0.05)], clients_per_round=3, vectorize=vectorize)
+        run_rounds(fed, 2)
+        models.append([p.detach().clone() for p in net.parameters()])
+    for a, b in zip(*models):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
