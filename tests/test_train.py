@@ -686,6 +686,14 @@ def test_privacy_with_fedprox_resume_and_two_processes(tmp_path: Path) -> None:
     assert p1 == p2
 
 
+def test_privacy_reproduction_script_quick(tmp_path: Path) -> None:
+    """scripts/reproduce/privacy.py writes the table (the spent epsilon within its target) and the plot."""
+    _script("privacy.py", "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
+    rows = [r for r in (tmp_path / "digits.md").read_text().splitlines() if r.startswith("| 8 |") or "| none |" in r]
+    assert len(rows) == 2 and float(rows[0].split("|")[2]) <= 8.0
+    assert (tmp_path / "digits.png").stat().st_size > 0
+
+
 def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path) -> None:
     """DRFA sends losses besides its model update: privacy=central stops before anything is written, naming it."""
     out = tmp_path / "run"

@@ -62,6 +62,9 @@ TRACKED = (
     "whale/width_mean",
     "whale/fi_mean",
     *(f"whale/level_{p}" for p in range(1, 9)),
+    # differential privacy (flx.parts.central_dp, docs/privacy.md): the ledger, recorded, not plotted in the panels
+    "privacy/epsilon",
+    "privacy/clip",
 )
 CLOCK = "sim/clock"
 EVAL_ONLY = (
@@ -184,7 +187,7 @@ class RoundCurves(RoundRecorder):
         axes = fig.subplots(1, 3 if clock else 2)
         ax_loss, ax_acc = axes[:2]
         for key, points in self.history.items():
-            if key.startswith(("sim/", "whale/")):
+            if key.startswith(("sim/", "whale/", "privacy/")):
                 continue
             is_loss = any(k in key for k in ("loss", "mse", "objective"))
             (ax_loss if is_loss else ax_acc).plot(*zip(*points), marker="o", markersize=2.5, label=key)
