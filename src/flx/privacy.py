@@ -116,17 +116,31 @@ def _accountant(name: str, sampling: str) -> Any:
 @lru_cache(maxsize=4096)
 def epsilon(mech: Mechanism, rounds: int, delta: float, accountant: str = "pld") -> float:
     """:math:`\\varepsilon` at ``delta`` after ``rounds`` rounds of ``mech`` (0 before the first; ``inf`` without
-    noise), from a fresh accountant: the same number whenever it is asked."""
+    noise), computed afresh from ``(mech, rounds, delta)``: the same number whenever it is asked."""
     if rounds <= 0:
         return 0.0
     if mech.noise_multiplier <= 0:
         return math.inf
     import dp_accounting
 
+    if accountant == "pld" and mech.sampling == "poisson":  # one round's PLD built once, composed per call
+        return float(_round_pld(mech).self_compose(rounds).get_epsilon_for_delta(delta))
     acc = _accountant(accountant, mech.sampling)
     with _quiet():
         acc.compose(dp_accounting.SelfComposedDpEvent(round_event(mech), rounds))
         return float(acc.get_epsilon(delta))
+
+
+@lru_cache(maxsize=64)
+def _round_pld(mech: Mechanism) -> Any:
+    """One Poisson round's privacy loss distribution, as the library's PLD accountant builds it for
+    ``PoissonSampledDpEvent(q, GaussianDpEvent(sigma))`` (add or remove one): built once per mechanism, so the
+    per-round epsilon costs only the composition (~15 ms against ~40 ms for a fresh accountant)."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=mech.noise_multiplier, value_discretization_interval=PLD_DISCRETIZATION, sampling_prob=mech.q
+    )
 
 
 SIGMA_FLOOR = 0.1  # calibration searches sigma >= this: below it the PLD grid grows as 1 / sigma^2
