@@ -652,7 +652,7 @@ def _write_tiny_adult(folder: Path, per_race: int = 8) -> None:
     (folder / "adult.test").write_text("|1x3 Cross validator\n" + "\n".join(rows(".")) + "\n")
 
 
-DP = [*SMALL, "algo=fedprox", "privacy=central", "privacy.noise_multiplier=1.0", "logger=csv"]
+DP = [*SMALL, "privacy=central", "privacy.noise_multiplier=1.0", "logger=csv"]
 
 
 def test_issue_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None:
@@ -670,19 +670,28 @@ def test_issue_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None
     assert state["rounds"] == 30 and 1.0 < state["sigma"] < 4.0 and state["epsilon"] <= 8.0
 
 
-def test_privacy_with_fedprox_resume_and_two_processes(tmp_path: Path) -> None:
-    """DP composes with FedProx: 4 rounds == 2 + 2 resumed (bitwise: the noise is a function of (seed, round), the
-    ledger continues), and 2 processes give the 1-process model (every rank draws the same noise)."""
-    base = [*DP, "algo.rounds=4"]
-    train(compose(tmp_path / "a", *base))
-    train(compose(tmp_path / "b", *DP, "algo.rounds=2"))
-    train(compose(tmp_path / "c", *base, f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
+@pytest.mark.parametrize(
+    "algo",
+    [
+        ["algo=fedprox"],
+        ["algo=pfedfbe", "algo.lr=0.05", "algo.lam=20", "algo.batch_size=32", "partition.test_fraction=0.2"],
+    ],
+    ids=["fedprox", "pfedfbe"],
+)
+def test_privacy_composes_resume_and_two_processes(tmp_path: Path, algo: list[str]) -> None:
+    """DP composes with FedProx and with pFedFBE (its personal models stay on the clients): 4 rounds == 2 + 2 resumed
+    (bitwise: the noise is a function of (seed, round), the ledger continues), and 2 processes give the 1-process
+    model (every rank draws the same noise)."""
+    dp = [*DP, *algo]
+    train(compose(tmp_path / "a", *dp, "algo.rounds=4"))
+    train(compose(tmp_path / "b", *dp, "algo.rounds=2"))
+    train(compose(tmp_path / "c", *dp, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
     a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
     (key,) = [k for k in a["callbacks"] if "CentralDP" in k]
     assert a["callbacks"][key] == c["callbacks"][key] and a["callbacks"][key]["rounds"] == 4
-    _, _, p1, p2 = _one_and_two_processes(tmp_path / "ddp", *base, part="CentralDP")
+    _, _, p1, p2 = _one_and_two_processes(tmp_path / "ddp", *dp, "algo.rounds=4", part="CentralDP")
     assert p1 == p2
 
 

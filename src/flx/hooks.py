@@ -89,9 +89,10 @@ class FederatedCallback(Callback):
     # algo.vectorize=true: a part that hooks the client path says True and gives its per-step hooks a cohort form
     # (on_cohort_grad, on_cohort_step_end); flx.vectorized
     vectorizable: bool = False
-    # what the part makes clients send besides their model update (a statistic in the round's reduce, a value the
-    # server computes on their rows): each channel named for a person; a privacy guarantee on the model update does
-    # not cover them (check_uploads)
+    # what the part makes clients send besides their model update for the training to use (a statistic in the
+    # round's reduce, a value the server computes on their rows): each channel named for a person; a privacy
+    # guarantee on the model update does not cover them (check_uploads). Metrics logged for the researcher only
+    # (diagnostics) are not uploads
     uploads: tuple[str, ...] = ()
     # True for a part whose guarantee covers the model update only (differential privacy): other parts' uploads and
     # cohort samplers are then refused at start

@@ -61,8 +61,6 @@ def client_train_losses(fed: FederationView) -> Tensor:
 class ClientLoss(FederatedCallback):
     """Logs ``max_i f_i`` and ``mean_i f_i`` of the global model after each validated round."""
 
-    uploads = ("its loss at the global model (train/client_loss_*)",)
-
     def __init__(self, enabled: bool = True) -> None:
         self.params = ClientLossParams(bool(enabled))
         self.last: Tensor | None = None  # the latest (N,) vector, for inspection

@@ -99,8 +99,6 @@ class Objective(FederatedCallback):
         regularizer: the ``algo.regularizer`` mapping of :math:`h` (``name``, ``mu``, ``params``, options).
     """
 
-    uploads = ("its loss at the global model (train/objective)",)
-
     def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
         self.h = make_regularizer(regularizer)
         self.bound = False
