@@ -675,14 +675,15 @@ def test_issue_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None
     [
         ["algo=fedprox"],
         ["algo=pfedfbe", "algo.lr=0.05", "algo.lam=20", "algo.batch_size=32", "partition.test_fraction=0.2"],
+        ["algo=fedprox", "privacy.adaptive=true", "privacy.count_noise=2.0", "privacy.sampling=fixed"],
     ],
-    ids=["fedprox", "pfedfbe"],
+    ids=["fedprox", "pfedfbe", "fedprox-adaptive-fixed"],
 )
 def test_privacy_composes_resume_and_two_processes(tmp_path: Path, algo: list[str]) -> None:
     """DP composes with FedProx and with pFedFBE (its personal models stay on the clients): 4 rounds == 2 + 2 resumed
     (bitwise: the noise is a function of (seed, round), the ledger continues), and 2 processes give the 1-process
     model (every rank draws the same noise)."""
-    dp = [*DP, *algo]
+    dp = [*DP, *algo] if "privacy.sampling=fixed" not in algo else [*DP, *algo, "privacy.accountant=rdp"]
     train(compose(tmp_path / "a", *dp, "algo.rounds=4"))
     train(compose(tmp_path / "b", *dp, "algo.rounds=2"))
     train(compose(tmp_path / "c", *dp, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))

@@ -16,11 +16,11 @@ is drawn decides the neighbouring relation and so the event the accountant compo
 
 With adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adaptive
 Clipping", NeurIPS 2021, arXiv:1905.03871) a round releases a second Gaussian sum, the count of clients whose update
-norm was at most :math:`C` (each reports :math:`b_i - 1/2`, sensitivity 1/2 under add/remove), with noise
-:math:`\sigma_b`. The pair costs exactly one Gaussian mechanism with :math:`\sigma` when the update's noise is raised
-to :math:`\sigma_\Delta = (\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}` (their Theorem 1; under ``fixed`` both
-sensitivities double and the same identity holds), so the accountant sees :math:`\sigma` in both cases
-(:func:`update_noise`).
+norm was at most :math:`C` (each reports :math:`b_i - 1/2`, so the sum's sensitivity is 1/2 under add/remove),
+with noise :math:`\sigma_b`. The pair costs exactly one Gaussian mechanism with :math:`\sigma` when the update's
+noise is raised to :math:`\sigma_\Delta = (\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}` (their Theorem 1; under
+``fixed`` both sensitivities double and the same identity holds), so the accountant sees :math:`\sigma` in both
+cases (:func:`update_noise`).
 
 :math:`\varepsilon` after :math:`T` rounds is a pure function of :math:`(q, \sigma, T, \delta)` (:func:`epsilon`):
 a resumed run computes what the uninterrupted one did, to the bit.

@@ -106,8 +106,8 @@ def test_clipping_closed_form(mode: str) -> None:
     small = FakeFed([torch.tensor([0.3, 0.0, 0.4]), torch.zeros(4)], start)  # norm 0.5: untouched either way
     dp.on_client_end(small, None)
     torch.testing.assert_close(small.local_state[0], torch.tensor([0.3, 0.0, 0.4]))
-    assert float(big.stats["privacy/count"]) == 1 and float(big.stats["privacy/below"]) == 0
-    assert float(small.stats["privacy/below"]) == 1
+    assert float(big.stats["privacy/count"]) == 1 and float(big.stats["privacy/below"]) == -0.5  # b_i - 1/2
+    assert float(small.stats["privacy/below"]) == 0.5
 
 
 def test_poisson_cohorts_are_binomial() -> None:
@@ -131,13 +131,14 @@ def test_poisson_cohorts_are_binomial() -> None:
 
 
 def test_adaptive_clip_follows_the_noised_count() -> None:
-    """``C <- C exp(-eta (b~ - gamma))`` with ``b~ = (sum_i b_i + sigma_b z) / m``, ``z`` the stream's last normal."""
+    """``C <- C exp(-eta (b~ - gamma))`` with ``b~ = (sum_i (b_i - 1/2) + sigma_b z) / m + 1/2`` (clients report
+    ``b_i - 1/2``: sensitivity 1/2, what the noise split assumes), ``z`` the stream's last normal."""
     dp = _dp(clip=10.0, adaptive=True, target_quantile=0.5, clip_lr=0.2, count_noise=3.0, noise_multiplier=1.0)
     fed = make_fed(linear(), toy_data([20] * 6), [dp], clients_per_round=3, lr=0.1, local_steps=2)
     run_rounds(fed, 1)  # every update is far below C = 10: b_i = 1 for all 3
     g = torch.Generator().manual_seed(derive_seed(0, 0, _NOISE_TAG))
     z = torch.randn(sum(p.numel() for p in fed.params) + 1, generator=g, dtype=torch.float64)[-1]
-    b = (3 + 3.0 * float(z)) / 3
+    b = (3 * (1 - 0.5) + 3.0 * float(z)) / 3 + 0.5
     assert dp.clip == pytest.approx(10.0 * math.exp(-0.2 * (b - 0.5)), rel=1e-12)
     assert dp._update_sigma() ** -2 + (2 * 3.0) ** -2 == pytest.approx(1.0, rel=1e-12)
 
@@ -174,3 +175,24 @@ def test_stacked_clients_give_the_sequential_round() -> None:
         models.append([p.detach().clone() for p in net.parameters()])
     for a, b in zip(*models):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_an_empty_poisson_cohort_keeps_the_model_and_is_accounted() -> None:
+    """q = 1/50: about a third of the rounds draw nobody. Such a round releases nothing that depends on the data: the
+    model stays as it was (no noise either), and the round still counts in the ledger."""
+    dp = CentralDP(noise_multiplier=1.0)
+    net = linear()
+    fed = make_fed(net, toy_data([4] * 50), [dp], clients_per_round=1, lr=0.1, local_steps=1)
+    empty = moved = 0
+    for r in range(12):
+        before = [p.detach().clone() for p in net.parameters()]
+        run_rounds(fed, 1, start=r)
+        same = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+        if not fed.rnd.cohort:
+            empty += 1
+            assert same
+        else:
+            moved += 1
+            assert not same
+        assert dp.rounds == r + 1
+    assert empty and moved  # both kinds of round happened (seeded: the same every run)

@@ -18,8 +18,9 @@ Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with Adapt
    configured server optimizer steps towards it. The noise is drawn from a generator seeded by ``(seed, round)``,
    the same on every rank, so 2 processes give the run of 1 and a resumed run the uninterrupted one; a real
    deployment would draw it from a secure source on the server;
-4. adaptive clipping (``adaptive=true``): clients also send :math:`b_i = [\lVert \Delta_i \rVert \le C]`, the server
-   releases :math:`\tilde b = (\sum_i b_i + \mathcal N(0, \sigma_b^2)) / \bar m` and sets
+4. adaptive clipping (``adaptive=true``): clients also send :math:`b_i - 1/2` with
+   :math:`b_i = [\lVert \Delta_i \rVert \le C]` (sensitivity 1/2), the server releases
+   :math:`\tilde b = (\sum_i (b_i - 1/2) + \mathcal N(0, \sigma_b^2)) / \bar m + 1/2` and sets
    :math:`C \leftarrow C \exp(-\eta_C (\tilde b - \gamma))` (target quantile :math:`\gamma`); the update's noise is
    raised to :math:`\sigma_\Delta` so that both releases together cost one Gaussian of :math:`\sigma`
    (:func:`flx.privacy.update_noise`); without it :math:`\sigma_\Delta = \sigma`.
@@ -177,7 +178,7 @@ class CentralDP(FederatedCallback):
         for t, g, d, f in zip(fed.local_state, fed.global_state, delta, factors):
             t.copy_(g + d * f)
         fed.stat(_COUNT)[0] += 1
-        fed.stat(_BELOW)[0] += float(total <= self.clip)
+        fed.stat(_BELOW)[0] += float(total <= self.clip) - 0.5  # b_i - 1/2: sensitivity 1/2 (add or remove one)
 
     @override
     @torch.no_grad()
@@ -189,10 +190,10 @@ class CentralDP(FederatedCallback):
         for t, g, z in zip(mean, fed.global_state, noise):
             total = (t.double() - g.double()) * count + z.reshape(t.shape) * (self._update_sigma() * self.clip)
             t.copy_(g.double() + total / m_bar)
-        if self.params.adaptive:
-            below = float(fed.stat(_BELOW)[0]) + float(noise[-1][0]) * self._count_noise()
+        if self.params.adaptive:  # b~ = (sum_i (b_i - 1/2) + sigma_b z) / m + 1/2
+            below = (float(fed.stat(_BELOW)[0]) + float(noise[-1][0]) * self._count_noise()) / m_bar + 0.5
             p = self.params
-            self.clip *= math.exp(-p.clip_lr * (below / m_bar - p.target_quantile))
+            self.clip *= math.exp(-p.clip_lr * (below - p.target_quantile))
 
     def _update_sigma(self) -> float:
         """:math:`\\sigma_\\Delta`: the update's noise multiplier (raised under adaptive clipping)."""
