@@ -696,6 +696,19 @@ def test_privacy_composes_resume_and_two_processes(tmp_path: Path, algo: list[st
     assert p1 == p2
 
 
+def test_privacy_budget_stops_before_the_round_that_would_exceed_it(tmp_path: Path, capsys) -> None:
+    """noise_multiplier 1 with 6 clients, 3 expected a round, spends epsilon 5.84 after 3 rounds and 6.68 after 4: a
+    budget of 6 stops the 6-round run after round 3 with one line, and the run ends as usual (tested, final line)."""
+    metrics = train(compose(tmp_path, *DP, "algo=fedprox", "algo.rounds=6", "privacy.target_epsilon=6"))
+    out = capsys.readouterr().out
+    line = "flx: privacy budget: round 4 would spend epsilon=6.6"
+    assert line in out and "> privacy.target_epsilon=6 (delta=1e-05); stopped after round 3 at epsilon=5.84" in out
+    ckpt = _final(tmp_path)
+    (state,) = [v for k, v in ckpt["callbacks"].items() if "CentralDP" in k]
+    assert ckpt["flx"]["round"] == 3 and state["rounds"] == 3 and state["epsilon"] <= 6
+    assert "test/acc" in metrics and out.strip().splitlines()[-1].endswith(f"epsilon={state['epsilon']:.4f}")
+
+
 def test_privacy_reproduction_script_quick(tmp_path: Path) -> None:
     """scripts/reproduce/privacy.py writes the table (the spent epsilon within its target) and the plot."""
     _script("privacy.py", "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
