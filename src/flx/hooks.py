@@ -198,8 +198,9 @@ def overrides(part: FederatedCallback, hook: str) -> bool:
 
 def check_uploads(parts: Sequence[FederatedCallback]) -> None:
     """With a part that guards the uploads (``guards_uploads``, differential privacy), raises a one-line
-    :class:`ConfigError` for another part that makes clients send more than their model update (``uploads``) or
-    draws the cohort (the guard's accountant assumes its own sampling)."""
+    :class:`ConfigError` for another part that makes clients send more than their model update (``uploads``), draws
+    the cohort (the guard's accountant assumes its own sampling) or changes the aggregate in ``on_server_step`` (the
+    guard reads it as the mean of the clipped updates, and noises it there)."""
     guard = next((p for p in parts if p.guards_uploads), None)
     if guard is None:
         return
@@ -216,4 +217,9 @@ def check_uploads(parts: Sequence[FederatedCallback]) -> None:
             raise ConfigError(
                 f"{name}: {type(part).__name__} draws the cohort, but the privacy accountant assumes the cohort "
                 "privacy.sampling draws; run it without privacy"
+            )
+        if overrides(part, "on_server_step"):
+            raise ConfigError(
+                f"{name}: {type(part).__name__} changes the aggregate on the server (on_server_step) before the noise "
+                "is added to it; run it without privacy"
             )

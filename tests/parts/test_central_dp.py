@@ -149,6 +149,12 @@ def test_composition_refuses_channels_it_does_not_cover() -> None:
         check_uploads([LambdaSampling(), CentralDP(noise_multiplier=1.0)])
     check_uploads([LambdaSampling()])  # without privacy, nothing to check
 
+    class ServerSide(FederatedCallback):
+        def on_server_step(self, fed, rnd, mean) -> None: ...
+
+    with pytest.raises(ConfigError, match="ServerSide changes the aggregate on the server"):
+        check_uploads([ServerSide(), CentralDP(noise_multiplier=1.0)])
+
 
 @pytest.mark.parametrize(
     "kw, match",
