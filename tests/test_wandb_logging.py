@@ -1,7 +1,8 @@
 """What a run shows on W&B, read back from the offline run files the wandb library wrote (``flx.wandb_files``): the
 config and code version, the run's name and group, the per-round metrics against ``fl/round`` (equal to the CSV of
 the same run), the per-client tables of every evaluation round, and the line plots of FeDXL's AUCs, DRFA's lambda and
-pFedFBE's personalised vs global accuracy. One tiny run per algorithm, shared by its tests (marked slow: Trainers)."""
+pFedFBE's personalised vs global accuracy, and the privacy ledger. One tiny run per algorithm, shared by its tests
+(marked slow: Trainers)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ PFEDFBE = [
     "algo.local_steps=2",
     "algo.rounds=2",
     "checkpoint=null",
+    "privacy=central",  # pFedFBE composes with DP: its ledger on W&B too (shares the run)
+    "privacy.noise_multiplier=1.0",
     *QUIET,
 ]
 Run = tuple[DictConfig, Path, OfflineRun]
@@ -199,3 +202,14 @@ def test_pfedfbe_personal_vs_global_plot(pfedfbe: Run) -> None:
         assert len(points) == 2
     (row, table), _ = run.tables("val/client_personal_acc_table")
     assert row[ROUND] == 1 and {"client", "personal_acc", "train_samples", "sampled"} <= set(table[0])
+
+
+def test_privacy_epsilon_is_a_series_against_the_round(pfedfbe: Run) -> None:
+    """privacy=central logs its ledger every round: ``privacy/epsilon`` against ``fl/round`` equals the accountant's
+    epsilon after 1 and 2 rounds (Poisson sampling of 2 expected of 4 clients, sigma 1, delta 1e-5)."""
+    from flx import privacy
+
+    _, _, run = pfedfbe
+    mech = privacy.Mechanism("poisson", 1.0, 4, 2)
+    expected = [(float(t), privacy.epsilon(mech, t, 1e-5, "pld")) for t in (1, 2)]
+    assert_points(run.series("privacy/epsilon"), expected, "privacy/epsilon")
