@@ -1,12 +1,19 @@
 """The privacy-utility curve of user-level central DP (docs/privacy.md): FedAvg's test accuracy against the epsilon it
-spends, on the bundled digits.
+spends.
 
-Every run is the default ``python train.py`` (FedAvg, 30 rounds, 20 clients, 10 expected per round, the MLP) with
-``privacy=central privacy.target_epsilon=<eps>`` (the noise calibrated before round 1, delta 1e-5, clip 0.1,
-Poisson sampling, the PLD accountant), plus the same run without privacy, over seeds. Writes
-``docs/results/privacy/digits.md`` (the table, with the command) and ``digits.png`` (accuracy against epsilon).
+Tasks (``--task``):
 
-Usage: ``python scripts/reproduce/privacy.py [--seeds 3] [--epsilons 1 2 4 8 16 32] [--jobs 2]``
+* ``digits``: the default ``python train.py`` (FedAvg, 30 rounds, 20 clients, 10 expected per round, the MLP);
+* ``cifar_shaped``: CIFAR-10-shaped synthetic data (``data=synthetic``: 50,000 Gaussian 3x32x32 inputs labelled by
+  a fixed random linear teacher, 10 classes), logistic regression (30,730 parameters), 100 iid clients, 20 expected
+  per round, 30 rounds, no validation split. Not the CNN: it does not learn this task in 30 rounds even without
+  privacy (test accuracy 0.113 for seed 0, chance 0.1).
+
+Each with ``privacy=central privacy.target_epsilon=<eps>`` (the noise calibrated before round 1, delta 1e-5, clip
+0.1, Poisson sampling, the PLD accountant), plus the same run without privacy, over seeds. Writes
+``docs/results/privacy/<task>.md`` (the table, with the command) and ``<task>.png`` (accuracy against epsilon).
+
+Usage: ``python scripts/reproduce/privacy.py [--task digits] [--seeds 3] [--epsilons 1 2 4 8 16 32] [--jobs 2]``
 """
 
 from __future__ import annotations
@@ -24,9 +31,17 @@ from common import QUIET_CPU, executor, mean_std  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "results" / "privacy"
 EPSILONS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+TASKS = {
+    "digits": ([], "digits (FedAvg, MLP, 30 rounds, 20 clients, 10 expected per round)"),
+    "cifar_shaped": (
+        ["data=synthetic", "model=logreg", "partition=iid", "partition.num_clients=100", "algo.clients_per_round=20",
+         "data.val_fraction=0"],
+        "CIFAR-10-shaped synthetic data (FedAvg, logistic regression, 30 rounds, 100 clients, 20 expected per round)",
+    ),
+}  # fmt: skip
 
 
-def run(target: float | None, seed: int) -> dict[str, float]:
+def run(task: str, target: float | None, seed: int) -> dict[str, float]:
     """One run; ``target`` None: without privacy. Returns the final test accuracy, the epsilon spent (inf without
     privacy) and the calibrated noise multiplier (0 without)."""
     from flx.config import precheck
@@ -37,7 +52,7 @@ def run(target: float | None, seed: int) -> dict[str, float]:
         keep = [
             o for o in QUIET_CPU if o != "checkpoint=null"
         ]  # the last round's checkpoint holds the calibrated sigma
-        cfg = precheck([*keep, *dp, f"seed={seed}", f"paths.output_dir={out}"])
+        cfg = precheck([*keep, *TASKS[task][0], *dp, f"seed={seed}", f"paths.output_dir={out}"])
         metrics = train(cfg)
         curves = json.loads((Path(out) / "curves.json").read_text())
         sigma = 0.0
@@ -52,14 +67,15 @@ def run(target: float | None, seed: int) -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="digits")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epsilons", type=float, nargs="+", default=list(EPSILONS))
     p.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
-    p.add_argument("--out", type=Path, default=OUT, help="where digits.md and digits.png go")
+    p.add_argument("--out", type=Path, default=OUT, help="where <task>.md and <task>.png go")
     args = p.parse_args(argv)
     targets: list[float | None] = [*args.epsilons, None]
     with executor(args.jobs) as pool:
-        futures = {(t, s): pool.submit(run, t, s) for t in targets for s in range(args.seeds)}
+        futures = {(t, s): pool.submit(run, args.task, t, s) for t in targets for s in range(args.seeds)}
         results = {key: f.result() for key, f in futures.items()}
     rows = []
     for t in targets:
@@ -72,9 +88,9 @@ def main(argv: list[str]) -> None:
             rows.append([f"{t:g}", f"{spent:.4f}", f"{got[0]['sigma']:.4f}", acc])
     args.out.mkdir(parents=True, exist_ok=True)
     eps = " ".join(f"{e:g}" for e in args.epsilons)
-    command = f"python scripts/reproduce/privacy.py --seeds {args.seeds} --epsilons {eps}"
+    command = f"python scripts/reproduce/privacy.py --task {args.task} --seeds {args.seeds} --epsilons {eps}"
     lines = [
-        "# Privacy-utility on digits (FedAvg, 30 rounds, 20 clients, 10 expected per round, delta 1e-5, clip 0.1)",
+        f"# Privacy-utility on {TASKS[args.task][1]}, delta 1e-5, clip 0.1",
         "",
         f"Made by `{command}`; test accuracy is mean ± std over seeds 0-{args.seeds - 1}.",
         "",
@@ -83,12 +99,13 @@ def main(argv: list[str]) -> None:
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
     ]
-    (args.out / "digits.md").write_text("\n".join(lines))
-    _plot(args.out, [(t, results[(t, s)]["acc"]) for t in args.epsilons for s in range(args.seeds)], rows[-1][3])
+    (args.out / f"{args.task}.md").write_text("\n".join(lines))
+    points = [(t, results[(t, s)]["acc"]) for t in args.epsilons for s in range(args.seeds)]
+    _plot(args.out / f"{args.task}.png", TASKS[args.task][1].split(" (")[0], points, rows[-1][3])
     print("\n".join(lines))
 
 
-def _plot(out: Path, points: list[tuple[float, float]], baseline: str) -> None:
+def _plot(path: Path, task: str, points: list[tuple[float, float]], baseline: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,11 +118,11 @@ def _plot(out: Path, points: list[tuple[float, float]], baseline: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("epsilon spent (delta = 1e-5)")
     ax.set_ylabel("test accuracy")
-    ax.set_title("FedAvg on digits: user-level DP")
+    ax.set_title(f"FedAvg on {task}: user-level DP", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "digits.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
