@@ -717,6 +717,15 @@ def test_privacy_reproduction_script_quick(tmp_path: Path) -> None:
     assert (tmp_path / "digits.png").stat().st_size > 0
 
 
+def test_privacy_accounts_for_the_clients_that_train(tmp_path: Path) -> None:
+    """A few-shot partition keeps evaluation-only clients apart: the cohort is drawn from the training clients, so
+    the accountant's population (its q = m / N) is theirs, not all clients'."""
+    dm, _, trainer = build(compose(tmp_path, "algo=per_fedavg", "privacy=central", "privacy.noise_multiplier=1.0"))
+    (dp,) = [cb for cb in trainer.callbacks if type(cb).__name__ == "CentralDP"]
+    assert dm.clients.num_train_clients < dm.num_clients
+    assert dp.mechanism.num_clients == dm.clients.num_train_clients
+
+
 def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path) -> None:
     """DRFA sends losses besides its model update: privacy=central stops before anything is written, naming it."""
     out = tmp_path / "run"

@@ -113,7 +113,8 @@ class CentralDP(FederatedCallback):
     # ------------------------------------------------------------------ setup
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        p, n = self.params, datamodule.num_clients
+        # the population the cohort is drawn from: the clients that train (evaluation-only clients never do)
+        p, n = self.params, datamodule.clients.num_train_clients
         if cfg.aggregator != "mean":
             raise bad_value("algo.aggregator", cfg.aggregator, "privacy=central noises the weighted mean: use mean")
         if not cfg.clients_per_round <= n:
@@ -149,6 +150,12 @@ class CentralDP(FederatedCallback):
     def on_attach(self, fed: FederationView) -> None:
         if self.mechanism is None:  # a federation built without the run's checks (tests): its own sizes
             self._setup(fed.num_clients, fed.cfg.clients_per_round, fed.cfg.rounds)
+        mech = self.mechanism
+        if (mech.num_clients, mech.cohort) != (fed.num_clients, fed.cfg.clients_per_round):  # the ledger's q is real
+            raise RuntimeError(
+                f"CentralDP: accounted for {mech.cohort} of {mech.num_clients} clients, the federation samples "
+                f"{fed.cfg.clients_per_round} of {fed.num_clients}"
+            )
         fed.register_stat(_COUNT, torch.zeros(1, dtype=torch.float64))
         fed.register_stat(_BELOW, torch.zeros(1, dtype=torch.float64))
 
