@@ -23,8 +23,8 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=10
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
 StateSaveLocation={t}/state
 SlurmdSpoolDir={t}/spool
 SlurmctldPidFile={t}/slurmctld.pid
@@ -86,17 +86,31 @@ def _start_munge() -> bool:
     pytest.skip("munged did not start")
 
 
+PORTS = (16817, 16818)
+"""The controller's and the node daemon's ports: fixed, so one test cluster runs on a machine at a time."""
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @contextmanager
 def slurm_cluster(tmp: Path) -> Iterator[dict[str, str]]:
     """Yields the environment (``SLURM_CONF``) of a running one-node cluster; stops it afterwards."""
     if os.geteuid() != 0:
         pytest.skip("a local SLURM cluster needs root")
     _install()
+    taken = [port for port in PORTS if _taken(port)]
+    if taken:  # another test cluster (a second test run on this machine): its controller would answer our commands
+        pytest.skip(f"port {taken[0]} is taken: another SLURM cluster runs on this machine (a second test run?)")
     started_munge = _start_munge()
     for sub in ("state", "spool", "log"):
         (tmp / sub).mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
-    (tmp / "slurm.conf").write_text(CONF.format(host=host, t=tmp, cpus=os.cpu_count() or 1))
+    (tmp / "slurm.conf").write_text(
+        CONF.format(host=host, t=tmp, cpus=os.cpu_count() or 1, ctld_port=PORTS[0], d_port=PORTS[1])
+    )
     env = {**os.environ, "SLURM_CONF": str(tmp / "slurm.conf")}
     logs = [open(tmp / "log" / name, "w") for name in ("ctld.stdout", "slurmd.stdout")]
     daemons = [
