@@ -413,6 +413,20 @@ def test_binary_imbalanced_digits_config(tmp_path: Path) -> None:
     assert metrics["test/pauc_0.3"] == pytest.approx(roc_auc_score(y, scores, max_fpr=0.3), abs=1e-6)
 
 
+def _resume_equals_uninterrupted(tmp_path: Path, *common: str) -> tuple[dict[str, float], dict, dict]:
+    """Runs ``common`` for 4 rounds, and for 2 then resumed to 4 from the round-2 checkpoint; asserts the two global
+    models are bitwise equal. Returns the uninterrupted run's test metrics and both final checkpoints."""
+    full = train(compose(tmp_path / "a", *common, "algo.rounds=4"))
+    train(compose(tmp_path / "b", *common, "algo.rounds=2"))
+    train(
+        compose(tmp_path / "c", *common, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}")
+    )
+    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    return full, a, c
+
+
 FEDXL = ["data=digits_binary", "partition=iid", "partition.num_clients=4", "algo.local_steps=4", *QUIET]
 
 
@@ -421,12 +435,7 @@ def test_fedxl_resume_equals_uninterrupted(tmp_path: Path, algo: str) -> None:
     """FeDXL's pools, server momentum and per-client u tables, and CODASCA's (a, b, alpha), control variates and
     stage reference (a stage starts at round 2: t0 = 8 steps) survive a resume: 4 rounds == 2 + 2 (bitwise)."""
     base = [f"algo={algo}", *FEDXL, "logger=none", *(["algo.t0=8", "algo.lr=1.0"] if algo == "codasca" else [])]
-    full = train(compose(tmp_path / "a", *base, "algo.rounds=4"))
-    train(compose(tmp_path / "b", *base, "algo.rounds=2"))
-    train(compose(tmp_path / "c", *base, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
-    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    full, _, _ = _resume_equals_uninterrupted(tmp_path, *base)
     assert full["test/auroc"] > 0.8  # far above chance (0.5) after 4 rounds x 4 steps: the X-risk loss learns
 
 
@@ -520,13 +529,7 @@ def _drfa_cohorts(ckpt: dict, rounds: int, n: int = 2, m: int = 2, seed: int = 0
 
 def test_drfa_resume_equals_uninterrupted(tmp_path: Path) -> None:
     """lambda, its history and the model survive a resume: 4 rounds == 2 + 2 (bitwise)."""
-    base = [*DRFA, "logger=none"]
-    train(compose(tmp_path / "a", *base, "algo.rounds=4"))
-    train(compose(tmp_path / "b", *base, "algo.rounds=2"))
-    train(compose(tmp_path / "c", *base, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
-    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    _, a, c = _resume_equals_uninterrupted(tmp_path, *DRFA, "logger=none")
     (key,) = [k for k in a["callbacks"] if "LambdaSampling" in k]
     assert torch.equal(a["callbacks"][key]["lam"], c["callbacks"][key]["lam"])
     assert a["callbacks"][key]["history"] == c["callbacks"][key]["history"] and len(a["callbacks"][key]["history"]) == 4
@@ -684,12 +687,7 @@ def test_privacy_composes_resume_and_two_processes(tmp_path: Path, algo: list[st
     (bitwise: the noise is a function of (seed, round), the ledger continues), and 2 processes give the 1-process
     model (every rank draws the same noise)."""
     dp = [*DP, *algo] if "privacy.sampling=fixed" not in algo else [*DP, *algo, "privacy.accountant=rdp"]
-    train(compose(tmp_path / "a", *dp, "algo.rounds=4"))
-    train(compose(tmp_path / "b", *dp, "algo.rounds=2"))
-    train(compose(tmp_path / "c", *dp, "algo.rounds=4", f"ckpt_path={tmp_path / 'b' / 'checkpoints' / 'last.ckpt'}"))
-    a, c = _final(tmp_path / "a"), _final(tmp_path / "c")
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], c["state_dict"][k]), k
+    _, a, c = _resume_equals_uninterrupted(tmp_path, *dp)
     (key,) = [k for k in a["callbacks"] if "CentralDP" in k]
     assert a["callbacks"][key] == c["callbacks"][key] and a["callbacks"][key]["rounds"] == 4
     _, _, p1, p2 = _one_and_two_processes(tmp_path / "ddp", *dp, "algo.rounds=4", part="CentralDP")
