@@ -156,8 +156,10 @@ class CentralDP(FederatedCallback):
                 f"CentralDP: accounted for {mech.cohort} of {mech.num_clients} clients, the federation samples "
                 f"{fed.cfg.clients_per_round} of {fed.num_clients}"
             )
-        fed.register_stat(_COUNT, torch.zeros(1, dtype=torch.float64))
-        fed.register_stat(_BELOW, torch.zeros(1, dtype=torch.float64))
+        # counts and halves are exact in float32 (below 2^24 clients): an fp32 model keeps an fp32 round buffer
+        dtype = torch.promote_types(fed.params[0].dtype, torch.float32)
+        fed.register_stat(_COUNT, torch.zeros(1, dtype=dtype))
+        fed.register_stat(_BELOW, torch.zeros(1, dtype=dtype))
 
     # ------------------------------------------------------------------ the round
     @override
@@ -174,18 +176,18 @@ class CentralDP(FederatedCallback):
     @override
     @torch.no_grad()
     def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
+        """Clips the upload in place; the factors stay on the device (no host read per client)."""
         delta = torch._foreach_sub(fed.local_state, fed.global_state)
-        norms = torch.stack([d.double().norm() for d in delta]) if delta else torch.zeros(0, dtype=torch.float64)
-        total = float(norms.square().sum().sqrt())
-        if self.params.clip_mode == "flat":
-            factors = [min(1.0, self.clip / total) if total > 0 else 1.0] * len(delta)
-        else:
-            per = self.clip / math.sqrt(max(len(delta), 1))
-            factors = [min(1.0, per / float(v)) if float(v) > 0 else 1.0 for v in norms]
+        norms = torch.stack([d.double().norm() for d in delta])  # float64, on the model's device
+        total = norms.square().sum().sqrt()
+        if self.params.clip_mode == "flat":  # min(1, C / ||Delta||); a zero update: C / 0 = inf -> 1
+            factors = (self.clip / total).clamp(max=1.0).expand(len(delta))
+        else:  # each tensor to C / sqrt(L)
+            factors = (self.clip / math.sqrt(len(delta)) / norms).clamp(max=1.0)
         for t, g, d, f in zip(fed.local_state, fed.global_state, delta, factors):
-            t.copy_(g + d * f)
+            t.copy_(g + d * f.to(d.dtype))
         fed.stat(_COUNT)[0] += 1
-        fed.stat(_BELOW)[0] += float(total <= self.clip) - 0.5  # b_i - 1/2: sensitivity 1/2 (add or remove one)
+        fed.stat(_BELOW)[0] += (total <= self.clip).double() - 0.5  # b_i - 1/2: sensitivity 1/2 (add or remove one)
 
     @override
     @torch.no_grad()
@@ -194,8 +196,9 @@ class CentralDP(FederatedCallback):
         :math:`w^t + (\\sum_i \\hat\\Delta_i + \\text{noise}) / \\bar m`."""
         count, m_bar = float(fed.stat(_COUNT)[0]), float(self.mechanism.cohort)
         noise = self._noise(fed, rnd.round, [t.numel() for t in mean])
+        std = self._update_sigma() * self.clip  # sigma_Delta C
         for t, g, z in zip(mean, fed.global_state, noise):
-            total = (t.double() - g.double()) * count + z.reshape(t.shape) * (self._update_sigma() * self.clip)
+            total = (t.double() - g.double()) * count + z.reshape(t.shape) * std
             t.copy_(g.double() + total / m_bar)
         if self.params.adaptive:  # b~ = (sum_i (b_i - 1/2) + sigma_b z) / m + 1/2
             below = (float(fed.stat(_BELOW)[0]) + float(noise[-1][0]) * self._count_noise()) / m_bar + 0.5
