@@ -212,6 +212,8 @@ def check_parts(
         part.check_setup(dm, fed.cfg)
     for part in fed_parts:
         part.check_federation(dm, fed, net)
+    for part in fed_parts:
+        part.check_parts(fed_parts)
     if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
         raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
     check_uploads(fed_parts)

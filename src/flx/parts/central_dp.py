@@ -80,7 +80,7 @@ class PrivacyParams:
 class CentralDP(FederatedCallback):
     """Clips every client's update, noises the cohort's sum once on the server, accounts for every round."""
 
-    guards_uploads = True
+    guards = ("uploads", "cohort")
     vectorizable = True  # on_client_end runs with each client's model in the net on both runners
 
     def __init__(self, **params: Any) -> None:
@@ -89,18 +89,7 @@ class CentralDP(FederatedCallback):
             raise bad_value("privacy.clip", p.clip, "the L2 clip of a client's update, > 0")
         if p.clip_mode not in CLIP_MODES:
             raise bad_value("privacy.clip_mode", p.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
-        if p.noise_multiplier is None and p.target_epsilon is None:
-            raise bad_value("privacy.noise_multiplier", None, "set it (> 0) or privacy.target_epsilon to calibrate it")
-        if p.noise_multiplier is not None and not p.noise_multiplier > 0:
-            raise bad_value("privacy.noise_multiplier", p.noise_multiplier, "> 0 (no noise is no privacy)")
-        if p.target_epsilon is not None and not p.target_epsilon > 0:
-            raise bad_value("privacy.target_epsilon", p.target_epsilon, "> 0")
-        if not 0 < p.delta < 1:
-            raise bad_value("privacy.delta", p.delta, "in (0, 1), below 1 / (number of clients)")
-        try:
-            privacy.check_pairing(p.sampling, p.accountant)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        privacy.check_budget_keys(p.noise_multiplier, p.target_epsilon, p.delta, p.sampling, p.accountant)
         if not 0 < p.target_quantile < 1:
             raise bad_value("privacy.target_quantile", p.target_quantile, "in (0, 1)")
         if not p.clip_lr > 0:
