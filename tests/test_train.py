@@ -761,9 +761,29 @@ def test_privacy_accounts_for_the_clients_that_train(tmp_path: Path) -> None:
     assert dp.mechanism.num_clients == dm.clients.num_train_clients
 
 
-def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path) -> None:
-    """DRFA sends losses besides its model update: privacy=central stops before anything is written, naming it."""
+UPLOADS = {  # every algorithm whose clients send more than their model update, and the channel named
+    "fedxl1": (["data=digits_binary"], "PassiveBuffer sends the prediction scores of its rows"),
+    "codasca": (["data=digits_binary"], "Codasca sends its control variates and AUC statistics"),
+    "qfedavg": ([], "QFFL sends its loss (q-FFL's h_i weights)"),
+    "whale": ([], "Subnetwork sends its Fisher values"),
+    "augfl": ([], "MetaUpdate sends its ADMM dual and query-set gradients"),
+    "drfa_ga": ([], "LambdaSampling sends its full local loss"),
+    "drfa": ([], "LambdaSampling sends its losses at the snapshot model"),
+}
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+@pytest.mark.parametrize("algo", sorted(UPLOADS))
+def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path, algo: str, mode: str) -> None:
+    """An algorithm whose clients send more than their model update stops before anything is written, with one line
+    naming the channel, except DRFA under privacy=local, whose losses are released noised and accounted (composed
+    end to end in test_privacy_composes_resume_and_two_processes)."""
     out = tmp_path / "run"
-    with pytest.raises(ConfigError, match="LambdaSampling sends its losses at the snapshot model"):
-        build(compose(out, *DRFA, "privacy=central", "privacy.noise_multiplier=1.0"))
-    assert not (out / "checkpoints").exists()
+    extra, channel = UPLOADS[algo]
+    cfg = compose(out, f"algo={algo}", *extra, *QUIET, f"privacy={mode}", "privacy.noise_multiplier=1.0")
+    if (algo, mode) == ("drfa", "local"):
+        build(cfg)
+        return
+    with pytest.raises(ConfigError, match=re.escape(channel)):
+        build(cfg)
+    assert not (out / "checkpoints").exists() and not (out / ".hydra").exists()

@@ -252,7 +252,7 @@ class LocalDP(FederatedCallback):
 
     @override
     def cohort_grad(self, fed: FederationView, cohort: Cohort) -> tuple[Tensor, list[Tensor]]:
-        params = tuple(p.detach() for p in cohort.params)
+        params = tuple(p.detach().contiguous() for p in cohort.params)  # a folded net stores weights transposed
         m, rows = len(cohort.clients), cohort.rows
         sizes = torch.tensor(cohort.sizes).to(params[0].device, non_blocking=True)
         if rows.shape[1]:
@@ -314,12 +314,20 @@ class LocalDP(FederatedCallback):
 def _clipped_sum(grads: list[Tensor], clip: float, dims: int, mask: Tensor | None = None) -> list[Tensor]:
     """:math:`\\sum_j g_j \\min(1, C / \\lVert g_j \\rVert)` over the rows, the norm over all tensors of a row; the
     rows are the first ``dims`` dimensions (rows; or clients then rows, summed over the rows only). ``mask`` (the
-    first ``dims`` dimensions) leaves rows out."""
-    norms = sum(g.flatten(dims).double().pow(2).sum(-1) for g in grads).sqrt()
+    first ``dims`` dimensions) leaves rows out. Each tensor's row norms come from ``vector_norm`` in its own dtype
+    and the weighted sum is one matrix product per tensor: no copy of the per-row gradients (a stack of clients'
+    rows is tens of megabytes)."""
+    rows = [g.reshape(*g.shape[:dims], -1) for g in grads]  # views: (..., entries)
+    norms = sum(torch.linalg.vector_norm(r, dim=-1).double().square() for r in rows).sqrt()
     factors = (clip / norms).clamp(max=1.0)  # a zero gradient: C / 0 = inf -> 1
     if mask is not None:
         factors = factors * mask
-    return [(g * factors.to(g.dtype).view(*factors.shape, *[1] * (g.dim() - dims))).sum(dims - 1) for g in grads]
+    out = []
+    for g, r in zip(grads, rows):
+        f = factors.to(g.dtype)
+        summed = f @ r if dims == 1 else torch.bmm(f.unsqueeze(1), r).squeeze(1)  # (entries,) or (m, entries)
+        out.append(summed.reshape(*g.shape[: dims - 1], *g.shape[dims:]))
+    return out
 
 
 def _call(net: nn.Module, state: dict[str, Tensor], x: Tensor) -> Tensor:
