@@ -268,3 +268,25 @@ def test_a_batchnorm_net_is_refused() -> None:
 def test_bad_settings_are_one_line(kw, match) -> None:
     with pytest.raises(ConfigError, match=match):
         _dp(**kw)
+
+
+def test_linear_rows_clip_as_the_per_row_gradients_do() -> None:
+    """``LinearRows`` (the layers' activations and output gradients, no per-row gradients) gives the clipped sum and
+    the losses of clipping every row's own gradient (float64; an MLP with a frozen bias; C between the rows'
+    norms)."""
+    from flx.parts.local_dp import LinearRows, _clipped_sum
+    from flx.tasks import Classification
+
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    net[3].bias.requires_grad_(False)
+    x, y = torch.randn(9, 2, 3, dtype=torch.float64), torch.randint(0, 3, (9,))
+    params = tuple(p.detach() for p in net.parameters() if p.requires_grad)
+    grads, losses = row_grads(net, F.cross_entropy)(params, x, y)
+    norms = torch.stack([torch.cat([g[j].reshape(-1) for g in grads]).norm() for j in range(9)])
+    clip = float(norms.median())
+    expected = _clipped_sum(list(grads), clip, 1)
+    summed, rows = LinearRows(net, Classification().loss_rows).clipped_sum(params, x, y, clip)
+    torch.testing.assert_close(rows, losses, rtol=1e-12, atol=0)
+    for a, b in zip(summed, expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
