@@ -744,12 +744,14 @@ def test_privacy_budget_stops_before_the_round_that_would_exceed_it(tmp_path: Pa
     assert "test/acc" in metrics and out.strip().splitlines()[-1].endswith(f"epsilon={state['epsilon']:.4f}")
 
 
-def test_privacy_reproduction_script_quick(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_privacy_reproduction_script_quick(tmp_path: Path, mode: str) -> None:
     """scripts/reproduce/privacy.py writes the table (the spent epsilon within its target) and the plot."""
-    _script("privacy.py", "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
-    rows = [r for r in (tmp_path / "digits.md").read_text().splitlines() if r.startswith("| 8 |") or "| none |" in r]
+    _script("privacy.py", "--mode", mode, "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
+    name = "digits" if mode == "central" else "digits_local"
+    rows = [r for r in (tmp_path / f"{name}.md").read_text().splitlines() if r.startswith("| 8 |") or "| none |" in r]
     assert len(rows) == 2 and float(rows[0].split("|")[2]) <= 8.0
-    assert (tmp_path / "digits.png").stat().st_size > 0
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
 def test_privacy_accounts_for_the_clients_that_train(tmp_path: Path) -> None:

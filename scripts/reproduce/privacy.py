@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
         "",
     ]
     (args.out / f"{name}.md").write_text("\n".join(lines))
-    points = [(t, results[(t, s)]["acc"]) for t in args.epsilons for s in range(args.seeds)]
+    points = [(results[(t, s)]["epsilon"], results[(t, s)]["acc"]) for t in args.epsilons for s in range(args.seeds)]
     _plot(args.out / f"{name}.png", TASKS[args.task][1].split(" (")[0], points, rows[-1][3], args.mode)
     print("\n".join(lines))
 

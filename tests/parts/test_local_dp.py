@@ -274,7 +274,7 @@ def test_linear_rows_clip_as_the_per_row_gradients_do() -> None:
     """``LinearRows`` (the layers' activations and output gradients, no per-row gradients) gives the clipped sum and
     the losses of clipping every row's own gradient (float64; an MLP with a frozen bias; C between the rows'
     norms)."""
-    from flx.parts.local_dp import LinearRows, _clipped_sum
+    from flx.clipping import LinearRows, clipped_sum
     from flx.tasks import Classification
 
     torch.manual_seed(1)
@@ -285,7 +285,7 @@ def test_linear_rows_clip_as_the_per_row_gradients_do() -> None:
     grads, losses = row_grads(net, F.cross_entropy)(params, x, y)
     norms = torch.stack([torch.cat([g[j].reshape(-1) for g in grads]).norm() for j in range(9)])
     clip = float(norms.median())
-    expected = _clipped_sum(list(grads), clip, 1)
+    expected = clipped_sum(list(grads), clip, 1)
     summed, rows = LinearRows(net, Classification().loss_rows).clipped_sum(params, x, y, clip)
     torch.testing.assert_close(rows, losses, rtol=1e-12, atol=0)
     for a, b in zip(summed, expected):
