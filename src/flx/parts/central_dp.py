@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
@@ -49,7 +48,7 @@ from typing_extensions import override
 
 from flx import privacy
 from flx.errors import ConfigError, bad_value
-from flx.hooks import FederatedCallback
+from flx.parts.dp_budget import Budgeted
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ class PrivacyParams:
     count_noise: float | None = None
 
 
-class CentralDP(FederatedCallback):
+class CentralDP(Budgeted):
     """Clips every client's update, noises the cohort's sum once on the server, accounts for every round."""
 
     guards = ("uploads", "cohort")
@@ -219,25 +218,12 @@ class CentralDP(FederatedCallback):
 
     # ------------------------------------------------------------------ budget, logging, checkpoint
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log_dict({"privacy/epsilon": self.spent(), "privacy/clip": self.clip}, on_epoch=True)
-        budget = self.params.target_epsilon
-        if budget is None or trainer.should_stop or self.rounds >= (trainer.max_epochs or 0):
-            return
-        upcoming = self.spent(self.rounds + 1)
-        if upcoming > budget:
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                print(
-                    f"flx: privacy budget: round {self.rounds + 1} would spend epsilon={upcoming:.4f} > "
-                    f"privacy.target_epsilon={budget:g} (delta={self.params.delta:g}); stopped after round "
-                    f"{self.rounds} at epsilon={self.spent():.4f}",
-                    flush=True,
-                )
+    def upcoming(self) -> tuple[float, str]:
+        return self.spent(self.rounds + 1), "would spend {eps}"
 
     @override
-    def final_values(self) -> dict[str, float]:
-        return {"epsilon": self.spent()}
+    def logged(self) -> dict[str, float]:
+        return {"privacy/epsilon": self.spent(), "privacy/clip": self.clip}
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from typing_extensions import override
@@ -44,6 +43,7 @@ from flx.autodiff import row_grads
 from flx.clipping import LinearRows, NotRowwise, clipped_sum
 from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
+from flx.parts.dp_budget import Budgeted
 from flx.sampling import derive_seed, fresh_rows
 from flx.vectorized import foldable
 
@@ -68,7 +68,7 @@ class LocalParams:
     loss_clip: float = 5.0
 
 
-class LocalDP(FederatedCallback):
+class LocalDP(Budgeted):
     """DP-SGD local steps (per-row clipping, Gaussian noise, the fixed denominator) and the clients' ledger."""
 
     guards = ("uploads", "steps")
@@ -306,25 +306,9 @@ class LocalDP(FederatedCallback):
 
     # ------------------------------------------------------------------ budget, logging, checkpoint
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("privacy/epsilon", self.spent(), on_epoch=True)
-        budget = self.params.target_epsilon
-        if budget is None or trainer.should_stop or self.rounds >= (trainer.max_epochs or 0):
-            return
-        upcoming, cid = self.next_round_worst()
-        if upcoming > budget:
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                print(
-                    f"flx: privacy budget: round {self.rounds + 1} could spend epsilon={upcoming:.4f} for client {cid}"
-                    f" > privacy.target_epsilon={budget:g} (delta={self.params.delta:g}); stopped after round "
-                    f"{self.rounds} at epsilon={self.spent():.4f}",
-                    flush=True,
-                )
-
-    @override
-    def final_values(self) -> dict[str, float]:
-        return {"epsilon": self.spent()}
+    def upcoming(self) -> tuple[float, str]:
+        epsilon, cid = self.next_round_worst()
+        return epsilon, f"could spend {{eps}} for client {cid}"
 
     @override
     def state_dict(self) -> dict[str, Any]:
