@@ -96,7 +96,7 @@ FLOORS = (
     # 0: tools and maths that know no round
     "flx errors choices console determinism threads resume resource_spec checkpoint_spec server state systems sampling"
     " local_sgd autodiff simplex regularizers losses metrics aggregation checkpoint_io wandb_files wandb_logging launch"
-    " signals run_folder loggers privacy",
+    " signals run_folder loggers privacy clipping",
     # 1: data, models, tasks, and the types of the round protocol
     "models datamodules task_spec tasks resources context",
     # 2: the round's pieces, and the parts that plug into them

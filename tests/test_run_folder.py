@@ -332,6 +332,10 @@ FAILING = {
         ["privacy=central", "privacy.noise_multiplier=1.0", "algo.aggregator=count_mean"],
         "privacy=central noises the weighted mean",
     ),
+    "LocalDP": (
+        ["privacy=local", "privacy.noise_multiplier=1.0", "model=resnet8x4"],
+        "privacy=local: the net has BatchNorm",
+    ),
 }
 # Structure's check_setup computes the clients' ground truth, Objective's reads which splits hold per-client rows
 NEVER_FAILS = {"Structure", "Objective"}

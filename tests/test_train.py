@@ -673,25 +673,62 @@ def test_issue_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None
     assert state["rounds"] == 30 and 1.0 < state["sigma"] < 4.0 and state["epsilon"] <= 8.0
 
 
+LOCAL_DP = [*SMALL, "privacy=local", "privacy.noise_multiplier=1.0", "logger=csv"]
+
+
 @pytest.mark.parametrize(
-    "algo",
+    "dp, part",
     [
-        ["algo=fedprox"],
-        ["algo=pfedfbe", "algo.lr=0.05", "algo.lam=20", "algo.batch_size=32", "partition.test_fraction=0.2"],
-        ["algo=fedprox", "privacy.adaptive=true", "privacy.count_noise=2.0", "privacy.sampling=fixed"],
+        ([*DP, "algo=fedprox"], "CentralDP"),
+        (
+            [*DP, "algo=pfedfbe", "algo.lr=0.05", "algo.lam=20", "algo.batch_size=32", "partition.test_fraction=0.2"],
+            "CentralDP",
+        ),
+        (
+            [*DP, "algo=fedprox", "privacy.adaptive=true", "privacy.count_noise=2.0", "privacy.sampling=fixed"]
+            + ["privacy.accountant=rdp"],
+            "CentralDP",
+        ),
+        ([*LOCAL_DP, "algo=fedprox"], "LocalDP"),
+        ([*LOCAL_DP, "algo=drfa"], "LocalDP"),
+        ([*LOCAL_DP, "algo.vectorize=true", "privacy.sampling=fixed", "privacy.accountant=rdp"], "LocalDP"),
     ],
-    ids=["fedprox", "pfedfbe", "fedprox-adaptive-fixed"],
+    ids=["fedprox", "pfedfbe", "fedprox-adaptive-fixed", "local-fedprox", "local-drfa", "local-vectorized-fixed"],
 )
-def test_privacy_composes_resume_and_two_processes(tmp_path: Path, algo: list[str]) -> None:
-    """DP composes with FedProx and with pFedFBE (its personal models stay on the clients): 4 rounds == 2 + 2 resumed
-    (bitwise: the noise is a function of (seed, round), the ledger continues), and 2 processes give the 1-process
-    model (every rank draws the same noise)."""
-    dp = [*DP, *algo] if "privacy.sampling=fixed" not in algo else [*DP, *algo, "privacy.accountant=rdp"]
+def test_privacy_composes_resume_and_two_processes(tmp_path: Path, dp: list[str], part: str) -> None:
+    """DP composes with FedProx and pFedFBE (its personal models stay on the clients), central or local (DP-SGD
+    steps, sequential or stacked; with DRFA, whose lambda step's losses are released noised): 4 rounds == 2 + 2
+    resumed (bitwise: the noise is a function of (seed, round) or (seed, round, client), the ledger continues), and 2
+    processes give the 1-process model (every rank draws the same noise and books the same clients' steps)."""
     _, a, c = _resume_equals_uninterrupted(tmp_path, *dp)
-    (key,) = [k for k in a["callbacks"] if "CentralDP" in k]
+    (key,) = [k for k in a["callbacks"] if part in k]
     assert a["callbacks"][key] == c["callbacks"][key] and a["callbacks"][key]["rounds"] == 4
-    _, _, p1, p2 = _one_and_two_processes(tmp_path / "ddp", *dp, "algo.rounds=4", part="CentralDP")
+    _, _, p1, p2 = _one_and_two_processes(tmp_path / "ddp", *dp, "algo.rounds=4", part=part)
     assert p1 == p2
+
+
+def test_local_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None:
+    """``privacy=local privacy.target_epsilon=8`` on the bundled data: sigma is calibrated for a client that would
+    join all 30 rounds, so the worst-off row's epsilon stays below 8; the CSV has it every round, the final line ends
+    with it, the checkpoint holds every client's steps (10 a round joined)."""
+    proc = _cli(tmp_path, *QUIET, "privacy=local", "privacy.target_epsilon=8")
+    final = proc.stdout.strip().splitlines()[-1]
+    assert final.startswith("final test_acc=") and float(final.split("epsilon=")[1].split()[0]) <= 8.0
+    rows = [r for r in csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))) if r.get("privacy/epsilon")]
+    eps = [float(r["privacy/epsilon"]) for r in rows]
+    assert len(eps) == 30 and all(a <= b for a, b in zip(eps, eps[1:])) and 0 < eps[-1] <= 8.0
+    (state,) = [v for k, v in _final(tmp_path)["callbacks"].items() if "LocalDP" in k]
+    assert state["rounds"] == 30 and sum(state["steps"].values()) == 30 * 10 * 10
+    assert state["epsilon"] == pytest.approx(eps[-1], rel=1e-6)
+
+
+def test_local_privacy_budget_stops_before_a_client_could_exceed_it(tmp_path: Path, capsys) -> None:
+    """noise_multiplier 1 with a budget: the run stops after the last round in which no client could pass it."""
+    train(compose(tmp_path, *LOCAL_DP, "algo.rounds=8", "privacy.target_epsilon=3"))
+    out = capsys.readouterr().out
+    (state,) = [v for k, v in _final(tmp_path)["callbacks"].items() if "LocalDP" in k]
+    assert "flx: privacy budget: round" in out and "> privacy.target_epsilon=3 (delta=1e-05)" in out
+    assert 0 < state["rounds"] < 8 and state["epsilon"] <= 3
 
 
 def test_privacy_budget_stops_before_the_round_that_would_exceed_it(tmp_path: Path, capsys) -> None:
@@ -707,12 +744,14 @@ def test_privacy_budget_stops_before_the_round_that_would_exceed_it(tmp_path: Pa
     assert "test/acc" in metrics and out.strip().splitlines()[-1].endswith(f"epsilon={state['epsilon']:.4f}")
 
 
-def test_privacy_reproduction_script_quick(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_privacy_reproduction_script_quick(tmp_path: Path, mode: str) -> None:
     """scripts/reproduce/privacy.py writes the table (the spent epsilon within its target) and the plot."""
-    _script("privacy.py", "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
-    rows = [r for r in (tmp_path / "digits.md").read_text().splitlines() if r.startswith("| 8 |") or "| none |" in r]
+    _script("privacy.py", "--mode", mode, "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
+    name = "digits" if mode == "central" else "digits_local"
+    rows = [r for r in (tmp_path / f"{name}.md").read_text().splitlines() if r.startswith("| 8 |") or "| none |" in r]
     assert len(rows) == 2 and float(rows[0].split("|")[2]) <= 8.0
-    assert (tmp_path / "digits.png").stat().st_size > 0
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
 def test_privacy_accounts_for_the_clients_that_train(tmp_path: Path) -> None:
@@ -724,9 +763,29 @@ def test_privacy_accounts_for_the_clients_that_train(tmp_path: Path) -> None:
     assert dp.mechanism.num_clients == dm.clients.num_train_clients
 
 
-def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path) -> None:
-    """DRFA sends losses besides its model update: privacy=central stops before anything is written, naming it."""
+UPLOADS = {  # every algorithm whose clients send more than their model update, and the channel named
+    "fedxl1": (["data=digits_binary"], "PassiveBuffer sends the prediction scores of its rows"),
+    "codasca": (["data=digits_binary"], "Codasca sends its control variates and AUC statistics"),
+    "qfedavg": ([], "QFFL sends its loss (q-FFL's h_i weights)"),
+    "whale": ([], "Subnetwork sends its Fisher values"),
+    "augfl": ([], "MetaUpdate sends its ADMM dual and query-set gradients"),
+    "drfa_ga": ([], "LambdaSampling sends its full local loss"),
+    "drfa": ([], "LambdaSampling sends its losses at the snapshot model"),
+}
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+@pytest.mark.parametrize("algo", sorted(UPLOADS))
+def test_privacy_refuses_a_channel_it_does_not_cover(tmp_path: Path, algo: str, mode: str) -> None:
+    """An algorithm whose clients send more than their model update stops before anything is written, with one line
+    naming the channel, except DRFA under privacy=local, whose losses are released noised and accounted (composed
+    end to end in test_privacy_composes_resume_and_two_processes)."""
     out = tmp_path / "run"
-    with pytest.raises(ConfigError, match="LambdaSampling sends its losses at the snapshot model"):
-        build(compose(out, *DRFA, "privacy=central", "privacy.noise_multiplier=1.0"))
-    assert not (out / "checkpoints").exists()
+    extra, channel = UPLOADS[algo]
+    cfg = compose(out, f"algo={algo}", *extra, *QUIET, f"privacy={mode}", "privacy.noise_multiplier=1.0")
+    if (algo, mode) == ("drfa", "local"):
+        build(cfg)
+        return
+    with pytest.raises(ConfigError, match=re.escape(channel)):
+        build(cfg)
+    assert not (out / "checkpoints").exists() and not (out / ".hydra").exists()

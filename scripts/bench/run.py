@@ -14,7 +14,7 @@ Sections (``--sections``, default all):
 * ``vectorized``, ``memory``, ``eval``: ``algo.vectorize`` against the plain loop, peak memory with 100 against
   1,000,000 clients and a stateful algorithm's bytes per client in the state store, the cost of evaluation
   (``vectorized.py``, ``memory.py`` with ``state_memory.py``, ``evalcost.py``).
-* ``dp``: a run with ``privacy=central`` against the same run without it (``dpcost.py``).
+* ``dp``: a run with ``privacy=central`` or ``privacy=local`` against the same run without it (``dpcost.py``).
 
 flx runs with the defaults a user gets (``--settings defaults``: console, CSV logger, round checkpoints, the default
 callbacks), validation off on both sides (the plain loop evaluates nothing). Prints the ratios against their targets

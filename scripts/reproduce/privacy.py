@@ -1,5 +1,5 @@
-"""The privacy-utility curve of user-level central DP (docs/privacy.md): FedAvg's test accuracy against the epsilon it
-spends.
+"""The privacy-utility curve of DP (docs/privacy.md): FedAvg's test accuracy against the epsilon it spends, with
+user-level central DP (``--mode central``, the default) or record-level DP-SGD local steps (``--mode local``).
 
 Tasks (``--task``):
 
@@ -9,11 +9,13 @@ Tasks (``--task``):
   per round, 30 rounds, no validation split. Not the CNN: it does not learn this task in 30 rounds even without
   privacy (test accuracy 0.113 for seed 0, chance 0.1).
 
-Each with ``privacy=central privacy.target_epsilon=<eps>`` (the noise calibrated before round 1, delta 1e-5, clip
-0.1, Poisson sampling, the PLD accountant), plus the same run without privacy, over seeds. Writes
-``docs/results/privacy/<task>.md`` (the table, with the command) and ``<task>.png`` (accuracy against epsilon).
+Each with ``privacy=<mode> privacy.target_epsilon=<eps>`` (the noise calibrated before round 1, delta 1e-5, the
+mode's default clip: 0.1 for a client's update, 1.0 for a row's gradient; Poisson sampling, the PLD accountant), plus
+the same run without privacy, over seeds. Writes ``docs/results/privacy/<task>.md`` (``<task>_local.md`` for the
+local mode: the table, with the command) and ``<task>.png`` (``<task>_local.png``: accuracy against epsilon).
 
-Usage: ``python scripts/reproduce/privacy.py [--task digits] [--seeds 3] [--epsilons 1 2 4 8 16 32] [--jobs 2]``
+Usage: ``python scripts/reproduce/privacy.py [--task digits] [--mode central] [--seeds 3] [--epsilons 1 2 4 8 16 32]
+[--jobs 2]``
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ TASKS = {
 }  # fmt: skip
 
 
-def run(task: str, target: float | None, seed: int) -> dict[str, float]:
+MODES = {"central": ("CentralDP", 0.1), "local": ("LocalDP", 1.0)}  # the part in the checkpoint, the default clip
+
+
+def run(task: str, target: float | None, seed: int, mode: str = "central") -> dict[str, float]:
     """One run; ``target`` None: without privacy. Returns the final test accuracy, the epsilon spent (inf without
     privacy) and the calibrated noise multiplier (0 without)."""
     from flx.config import precheck
     from flx.run import train
 
-    dp = [] if target is None else ["privacy=central", f"privacy.target_epsilon={target}"]
+    dp = [] if target is None else [f"privacy={mode}", f"privacy.target_epsilon={target}"]
     with tempfile.TemporaryDirectory() as out:
         keep = [
             o for o in QUIET_CPU if o != "checkpoint=null"
@@ -60,7 +65,7 @@ def run(task: str, target: float | None, seed: int) -> dict[str, float]:
             import torch
 
             ckpt = torch.load(Path(out) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-            sigma = next(v for k, v in ckpt["callbacks"].items() if "CentralDP" in k)["sigma"]
+            sigma = next(v for k, v in ckpt["callbacks"].items() if MODES[mode][0] in k)["sigma"]
     eps = curves["privacy/epsilon"][-1][1] if target is not None else math.inf
     return {"acc": float(metrics["test/acc"]), "epsilon": float(eps), "sigma": float(sigma)}
 
@@ -68,6 +73,7 @@ def run(task: str, target: float | None, seed: int) -> dict[str, float]:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=sorted(TASKS), default="digits")
+    p.add_argument("--mode", choices=sorted(MODES), default="central")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epsilons", type=float, nargs="+", default=list(EPSILONS))
     p.add_argument("--jobs", type=int, default=1, help="runs at once (one thread each)")
@@ -75,7 +81,7 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     targets: list[float | None] = [*args.epsilons, None]
     with executor(args.jobs) as pool:
-        futures = {(t, s): pool.submit(run, args.task, t, s) for t in targets for s in range(args.seeds)}
+        futures = {(t, s): pool.submit(run, args.task, t, s, args.mode) for t in targets for s in range(args.seeds)}
         results = {key: f.result() for key, f in futures.items()}
     rows = []
     for t in targets:
@@ -88,9 +94,11 @@ def main(argv: list[str]) -> None:
             rows.append([f"{t:g}", f"{spent:.4f}", f"{got[0]['sigma']:.4f}", acc])
     args.out.mkdir(parents=True, exist_ok=True)
     eps = " ".join(f"{e:g}" for e in args.epsilons)
-    command = f"python scripts/reproduce/privacy.py --task {args.task} --seeds {args.seeds} --epsilons {eps}"
+    mode = "" if args.mode == "central" else " --mode local"
+    command = f"python scripts/reproduce/privacy.py --task {args.task}{mode} --seeds {args.seeds} --epsilons {eps}"
+    name = args.task if args.mode == "central" else f"{args.task}_local"
     lines = [
-        f"# Privacy-utility on {TASKS[args.task][1]}, delta 1e-5, clip 0.1",
+        f"# Privacy-utility ({args.mode} DP) on {TASKS[args.task][1]}, delta 1e-5, clip {MODES[args.mode][1]:g}",
         "",
         f"Made by `{command}`; test accuracy is mean ± std over seeds 0-{args.seeds - 1}.",
         "",
@@ -99,26 +107,27 @@ def main(argv: list[str]) -> None:
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
     ]
-    (args.out / f"{args.task}.md").write_text("\n".join(lines))
-    points = [(t, results[(t, s)]["acc"]) for t in args.epsilons for s in range(args.seeds)]
-    _plot(args.out / f"{args.task}.png", TASKS[args.task][1].split(" (")[0], points, rows[-1][3])
+    (args.out / f"{name}.md").write_text("\n".join(lines))
+    points = [(results[(t, s)]["epsilon"], results[(t, s)]["acc"]) for t in args.epsilons for s in range(args.seeds)]
+    _plot(args.out / f"{name}.png", TASKS[args.task][1].split(" (")[0], points, rows[-1][3], args.mode)
     print("\n".join(lines))
 
 
-def _plot(path: Path, task: str, points: list[tuple[float, float]], baseline: str) -> None:
+def _plot(path: Path, task: str, points: list[tuple[float, float]], baseline: str, mode: str = "central") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    ax.scatter(*zip(*points), s=12, label="privacy=central (one dot per seed)")
+    ax.scatter(*zip(*points), s=12, label=f"privacy={mode} (one dot per seed)")
     base = float(baseline.split(" ± ")[0])
     ax.axhline(base, color="gray", linestyle="--", label=f"no privacy ({baseline})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("epsilon spent (delta = 1e-5)")
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"FedAvg on {task}: user-level DP", fontsize=9)
+    unit = "user-level DP" if mode == "central" else "record-level DP-SGD local steps"
+    ax.set_title(f"FedAvg on {task}: {unit}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -105,6 +105,27 @@ def grad_at(
         return _grad(net, _leaves(params), batch, loss_fn, create_graph)
 
 
+RowGrads = Callable[[tuple[Tensor, ...], Tensor, Tensor], tuple[tuple[Tensor, ...], Tensor]]
+
+
+def row_grads(net: nn.Module, loss_rows: LossFn) -> RowGrads:
+    r"""Per-example gradients: a function ``(params, x, y) -> (grads, losses)`` giving every row's own gradient
+    :math:`\nabla_w \ell(\mathrm{net}(x_j; w), y_j)`, ``(B, *p.shape)`` per trainable parameter, and its loss
+    ``(B,)``, with ``params`` in place of the net's trainable parameters (``torch.func``: ``vmap`` over the rows of
+    ``grad`` of one row's loss, so the result is a function of each row alone; ``torch.func.vmap`` of it over a
+    leading client dimension of ``params``, ``x`` and ``y`` gives stacked clients' rows). ``loss_rows(outputs,
+    target)`` is the task's per-row loss. The net's buffers enter as they are (a net that normalises over the batch,
+    BatchNorm, has no per-example gradient); dropout draws a mask per row from the global generator. At least one
+    row."""
+    names = [name for name, p in net.named_parameters() if p.requires_grad]
+
+    def one(params: tuple[Tensor, ...], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        loss = loss_rows(functional_call(net, dict(zip(names, params)), (x.unsqueeze(0),)), y.unsqueeze(0)).sum()
+        return loss, loss.detach()
+
+    return torch.func.vmap(torch.func.grad(one, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+
+
 def sq_norm(tensors: Sequence[Tensor]) -> Tensor:
     r""":math:`\sum_k \lVert t_k \rVert^2`, summed in float64."""
     return sum(t.double().pow(2).sum() for t in tensors)

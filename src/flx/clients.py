@@ -27,7 +27,7 @@ from flx.faults import all_finite
 from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 from flx.sampling import derive_seed
 
-STEP_HOOKS = ("sample_batch", "local_loss", "on_local_grad", "on_local_step_end")
+STEP_HOOKS = ("sample_batch", "local_grad", "local_loss", "on_local_grad", "on_local_step_end")
 """The hooks that run inside each local step (the sequential steps skip their bookkeeping when no part has any)."""
 
 
@@ -141,8 +141,9 @@ class ClientRunner:
     def local_steps(self, client: ClientContext) -> Tensor:
         """``client.num_steps`` SGD steps of the net on the client's minibatches; returns the sum of their losses.
 
-        Each step: ``sample_batch`` → forward → ``local_loss`` → ``backward`` → ``on_local_grad`` → the step →
-        ``on_local_step_end``. With no part hooking a step, the per-step client context is not set and the minibatch
+        Each step: ``sample_batch`` → forward → ``local_loss`` → ``backward`` (or a part's ``local_grad`` for these
+        three) → ``on_local_grad`` → the step → ``on_local_step_end``. With no part hooking a step, the per-step
+        client context is not set and the minibatch
         stream is drawn ahead, its integer labels gathered at once (:func:`flx.local_sgd.minibatches`).
         """
         fed = self.fed
@@ -153,21 +154,27 @@ class ClientRunner:
         zero_grad = (lambda: clear_grads(opt)) if plain else (lambda: opt.zero_grad(set_to_none=True))
         step = (lambda: sgd_step(opt)) if plain else opt.step
         hooked = any(fed.parts_with(h) for h in STEP_HOOKS)
-        loss_parts, grad_parts, end_parts = (
-            fed.parts_with(h) for h in ("local_loss", "on_local_grad", "on_local_step_end")
+        rules, loss_parts, grad_parts, end_parts = (
+            fed.parts_with(h) for h in ("local_grad", "local_loss", "on_local_grad", "on_local_step_end")
         )
         net, loss_fn = fed.net, fed.loss_fn
         losses: list[Tensor] = []  # summed once after the steps: one op per client, not one per step
         with fed.step_context():
             for xb, yb in self._batches(client, hooked):  # exactly client.num_steps minibatches
                 zero_grad()
-                outputs = net(xb)
-                loss = loss_fn(outputs, yb)
-                if hooked:
-                    client.outputs = outputs
-                    for part in loss_parts:
-                        loss = part.local_loss(fed, client, loss)
-                loss.backward()
+                loss = None
+                for part in rules:  # the first part that computes the step's gradient itself (local DP-SGD)
+                    loss = part.local_grad(fed, client)
+                    if loss is not None:
+                        break
+                if loss is None:
+                    outputs = net(xb)
+                    loss = loss_fn(outputs, yb)
+                    if hooked:
+                        client.outputs = outputs
+                        for part in loss_parts:
+                            loss = part.local_loss(fed, client, loss)
+                    loss.backward()
                 for part in grad_parts:
                     part.on_local_grad(fed, client)
                 step()

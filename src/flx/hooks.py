@@ -23,6 +23,7 @@ Server side (run identically on every rank):
 ``on_round_start``     after sampling, before any client trains (broadcast buffers, draw t', ...)
 ``on_server_step``     after the one collective reduce, before the server optimizer (edit the mean)
 ``on_round_end``       after the server step; the net holds the new global model
+``release_loss``       a client's loss at a model, as it releases it (a privacy part noises it)
 =====================  ==========================================================================
 
 Client side (per client, on the rank that trains it):
@@ -31,6 +32,7 @@ Client side (per client, on the rank that trains it):
 ``on_client_start``    global weights copied in; load client state, set masks / weight
 ``local_update``       replaces the K local SGD steps (closed forms, meta steps); first non-None wins
 ``sample_batch``       the step's minibatch (row indices into the store); first non-None wins
+``local_grad``         replaces the step's forward, loss and backward (fills ``p.grad``); first non-None wins
 ``local_loss``         add (or replace) terms of the local objective; returns the loss
 ``on_local_grad``      after backward, before the optimizer step (gradient transforms)
 ``on_local_step_end``  after the optimizer step (prox operators, snapshots, recording)
@@ -64,13 +66,16 @@ HOOKS = (
     "on_round_start",
     "on_server_step",
     "on_round_end",
+    "release_loss",
     "on_client_start",
     "local_update",
     "sample_batch",
+    "local_grad",
     "local_loss",
     "on_local_grad",
     "on_local_step_end",
     "on_client_end",
+    "cohort_grad",
     "on_cohort_grad",
     "on_cohort_step_end",
     "personalize",
@@ -94,9 +99,17 @@ class FederatedCallback(Callback):
     # guarantee on the model update does not cover them (check_uploads). Metrics logged for the researcher only
     # (diagnostics) are not uploads
     uploads: tuple[str, ...] = ()
-    # True for a part whose guarantee covers the model update only (differential privacy): other parts' uploads and
-    # cohort samplers are then refused at start
-    guards_uploads: bool = False
+    # uploads that are client losses at a model the server holds, computed through release_loss: a privacy part that
+    # implements release_loss noises them (and accounts for them); any other guard refuses them as uploads
+    loss_uploads: tuple[str, ...] = ()
+    # what a privacy part's guarantee rests on, checked against the other parts at start (check_uploads):
+    # "uploads": clients send their model update only; "cohort": the part draws the cohort and reads the aggregate
+    # as the mean of the clipped updates; "steps": the part privatises the local steps, so the other parts' step
+    # hooks must not read the client's rows (they say data_free_steps)
+    guards: tuple[str, ...] = ()
+    # True for a part whose step hooks (on_local_grad, on_local_step_end and their cohort forms) read only the models
+    # (the local one, the round's global one), never the client's rows: FedProx's proximal term, a prox operator
+    data_free_steps: bool = False
 
     def final_values(self) -> dict[str, float]:
         """Values the run's final line ends with (``epsilon=7.98``), after the test's headline metrics."""
@@ -118,6 +131,19 @@ class FederatedCallback(Callback):
         ``fed.store``, ``fed.system``; no data or net bound yet), ``net`` the run's model, ``datamodule`` as in
         :meth:`check_setup`.
         """
+
+    def check_parts(self, parts: Sequence[FederatedCallback]) -> None:
+        """After every part's :meth:`check_federation`, before anything is written: raise a ConfigError for other
+        parts (``parts``: all of the run's, this one included) the part cannot run beside, or settle what depends on
+        them (a privacy part's noise, calibrated for every release the other parts make)."""
+
+    def release_loss(self, fed: FederationView, cid: int, state: dict[str, Tensor], round_idx: int) -> float | None:
+        """Server, every rank: client ``cid``'s loss at the model ``state`` (``{name: tensor}`` for
+        ``torch.func.functional_call``) as the client releases it, or None to defer (the first non-None wins; the
+        caller then computes it itself). A privacy part returns a noised estimate and accounts for it; parts that
+        upload losses (``loss_uploads``) ask here first. Same on every rank: draw from ``(seed, round, client)``
+        streams."""
+        return None
 
     def metric_names(self) -> tuple[str, ...]:
         """The keys the part logs into Lightning's metrics (``trainer.callback_metrics``: what ``checkpoint.monitor``
@@ -158,6 +184,12 @@ class FederatedCallback(Callback):
         """
         return None
 
+    def local_grad(self, fed: FederationView, client: ClientContext) -> Tensor | None:
+        """Client, every local step: replaces the step's forward, ``local_loss`` and backward, or None to defer (the
+        first non-None wins). ``client.batch`` holds the step's rows; set ``p.grad`` of every ``fed.params`` and
+        return the step's loss, a detached scalar (local DP-SGD's per-example clipping and noise)."""
+        return None
+
     def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
         """Client, every local step: returns the local objective (``client.outputs`` / ``client.batch`` given)."""
         return loss
@@ -170,6 +202,12 @@ class FederatedCallback(Callback):
 
     def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         """Client: local training done; the net holds the local model; ``client.weight`` is the weight."""
+
+    def cohort_grad(self, fed: FederationView, cohort: Cohort) -> tuple[Tensor, list[Tensor]] | None:
+        """Vectorised clients, every local step: the cohort form of ``local_grad``. ``cohort.rows`` and
+        ``cohort.sizes`` hold the step's rows; returns the clients' losses ``(m,)`` and gradients shaped like
+        ``cohort.params``, or None to defer."""
+        return None
 
     def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         """Vectorised clients (``algo.vectorize``), every local step: ``cohort.grads`` hold the stacked gradients of
@@ -197,29 +235,48 @@ def overrides(part: FederatedCallback, hook: str) -> bool:
 
 
 def check_uploads(parts: Sequence[FederatedCallback]) -> None:
-    """With a part that guards the uploads (``guards_uploads``, differential privacy), raises a one-line
-    :class:`ConfigError` for another part that makes clients send more than their model update (``uploads``), draws
-    the cohort (the guard's accountant assumes its own sampling) or changes the aggregate in ``on_server_step`` (the
-    guard reads it as the mean of the clipped updates, and noises it there)."""
-    guard = next((p for p in parts if p.guards_uploads), None)
+    """With a privacy part (``guards``), raises a one-line :class:`ConfigError` for another part that breaks what its
+    guarantee rests on: makes clients send more than their model update (``uploads``); with ``"cohort"``, draws the
+    cohort (the guard's accountant assumes its own sampling) or changes the aggregate in ``on_server_step`` (the guard
+    reads it as the mean of the clipped updates, and noises it there); with ``"steps"``, replaces the local steps, or
+    hooks them without saying ``data_free_steps`` (its terms would reach the update unclipped)."""
+    guard = next((p for p in parts if p.guards), None)
     if guard is None:
         return
     name = type(guard).__name__
     for part in parts:
         if part is guard:
             continue
-        if part.uploads:
+        other = type(part).__name__
+        covered = overrides(guard, "release_loss")  # losses through release_loss come out noised and accounted
+        sent = [*part.uploads, *(() if covered else part.loss_uploads)]
+        if "uploads" in guard.guards and sent:
             raise ConfigError(
-                f"{name}: {type(part).__name__} sends {part.uploads[0]}, which the privacy guarantee does not cover "
+                f"{name}: {other} sends {sent[0]}, which the privacy guarantee does not cover "
                 "(only the clipped, noised model update is); run it without privacy"
             )
-        if overrides(part, "sample_clients"):
+        if "cohort" in guard.guards and overrides(part, "sample_clients"):
             raise ConfigError(
-                f"{name}: {type(part).__name__} draws the cohort, but the privacy accountant assumes the cohort "
+                f"{name}: {other} draws the cohort, but the privacy accountant assumes the cohort "
                 "privacy.sampling draws; run it without privacy"
             )
-        if overrides(part, "on_server_step"):
+        if "cohort" in guard.guards and overrides(part, "on_server_step"):
             raise ConfigError(
-                f"{name}: {type(part).__name__} changes the aggregate on the server (on_server_step) before the noise "
+                f"{name}: {other} changes the aggregate on the server (on_server_step) before the noise "
                 "is added to it; run it without privacy"
             )
+        if "steps" in guard.guards:
+            hooks = [h for h in STEP_HOOKS if overrides(part, h)]
+            if hooks and (not part.data_free_steps or set(hooks) & set(STEP_REPLACEMENTS)):
+                raise ConfigError(
+                    f"{name}: {other} hooks the local steps ({', '.join(hooks)}) with terms the per-example clipping "
+                    "does not cover; run it without privacy or with privacy=central"
+                )
+
+
+# the client hooks that shape a local step, and those of them that replace the clipped gradient (check_uploads)
+STEP_HOOKS = (
+    "local_update", "sample_batch", "local_grad", "local_loss", "on_local_grad", "on_local_step_end", "cohort_grad",
+    "on_cohort_grad", "on_cohort_step_end",
+)  # fmt: skip
+STEP_REPLACEMENTS = ("local_update", "sample_batch", "local_grad", "local_loss", "cohort_grad")

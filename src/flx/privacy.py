@@ -65,6 +65,27 @@ class Mechanism:
         return self.cohort / self.num_clients
 
 
+def check_budget_keys(
+    noise_multiplier: float | None, target_epsilon: float | None, delta: float, sampling: str, accountant: str
+) -> None:
+    """Raises a one-line :class:`~flx.errors.ConfigError` for ``privacy.*`` keys no mechanism can run with: no noise
+    and no target, a noise or target that is not positive, a delta outside (0, 1), an unaccountable sampling."""
+    from flx.errors import ConfigError, bad_value
+
+    if noise_multiplier is None and target_epsilon is None:
+        raise bad_value("privacy.noise_multiplier", None, "set it (> 0) or privacy.target_epsilon to calibrate it")
+    if noise_multiplier is not None and not noise_multiplier > 0:
+        raise bad_value("privacy.noise_multiplier", noise_multiplier, "> 0 (no noise is no privacy)")
+    if target_epsilon is not None and not target_epsilon > 0:
+        raise bad_value("privacy.target_epsilon", target_epsilon, "> 0")
+    if not 0 < delta < 1:
+        raise bad_value("privacy.delta", delta, "in (0, 1), below 1 / (the population's size)")
+    try:
+        check_pairing(sampling, accountant)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_pairing(sampling: str, accountant: str) -> None:
     """Raises ``ValueError`` (one line) for a sampling the accountant cannot account for."""
     if sampling not in SAMPLINGS:

@@ -208,13 +208,15 @@ def check_parts(
     against the keys the task and parts log (:func:`flx.checks.check_monitor`), and a privacy part's composition
     (:func:`flx.hooks.check_uploads`)."""
     fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
+    check_uploads(fed_parts)  # first: a channel the privacy guarantee does not cover is the reason to name
     for part in fed_parts:
         part.check_setup(dm, fed.cfg)
     for part in fed_parts:
         part.check_federation(dm, fed, net)
+    for part in fed_parts:
+        part.check_parts(fed_parts)
     if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
         raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
-    check_uploads(fed_parts)
     if fed.cfg.vectorize:
         vectorized.check(net, fed_parts)
     if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):

@@ -45,7 +45,9 @@ from flx.hooks import FederatedCallback, overrides
 from flx.local_sgd import sgd_update
 
 # per-step client hooks and the cohort hooks that stand for them; the whole-run replacements have none
-COHORT_FORM = {"on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"}
+COHORT_FORM = {
+    "local_grad": "cohort_grad", "on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"
+}  # fmt: skip
 NOT_VECTORIZABLE = ("local_update",)
 CLIENT_HOOKS = ("on_client_start", "on_client_end", "sample_batch", "local_loss", *COHORT_FORM, *NOT_VECTORIZABLE)
 _RANDOM_OR_STATEFUL = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
@@ -137,6 +139,7 @@ class Stacked(ClientRunner):
         leaves = [_stack(g.t().contiguous() if f else g, m).requires_grad_() for g, f in zip(fed.global_params, flip)]
         params = [w.mT if f else w for w, f in zip(leaves, flip)]  # (m, *p.shape): views of the leaves
         forward = _folded(fed, m) if folded else _vmapped(fed)
+        rules = fed.parts_with("cohort_grad")
         cohort, momentum = Cohort(clients, params), None
         streams = [fed.client_batches(client) for client in clients]
         losses = params[0].new_zeros(m, requires_grad=False)
@@ -146,10 +149,16 @@ class Stacked(ClientRunner):
                 own = [self.step_rows(client, k, stream) for client, stream in zip(clients, streams)]
                 cohort.step, cohort.sizes = k, [len(r) for r in own]
                 rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
-                out = forward(leaves, fed.data.x[rows], cohort.sizes)
-                loss = _cohort_loss(fed, clients, own, rows, out)
-                grads = torch.autograd.grad(loss.sum(), leaves)  # client i's loss depends on w_i only
-                cohort.grads = [g.mT if f else g for g, f in zip(grads, flip)]  # views: hooks edit the leaves' grads
+                ruled = next((r for r in (part.cohort_grad(fed, cohort) for part in rules) if r is not None), None)
+                # (a part's gradients come shaped like params; the leaves take their transposed views)
+                if ruled is None:
+                    out = forward(leaves, fed.data.x[rows], cohort.sizes)
+                    loss = _cohort_loss(fed, clients, own, rows, out)
+                    grads = torch.autograd.grad(loss.sum(), leaves)  # client i's loss depends on w_i only
+                    cohort.grads = [g.mT if f else g for g, f in zip(grads, flip)]  # views: hooks edit leaves' grads
+                else:  # a part's gradient (local DP-SGD)
+                    loss, cohort.grads = ruled[0].detach(), ruled[1]
+                    grads = [g.mT if f else g for g, f in zip(cohort.grads, flip)]
                 for part in fed.parts_with("on_cohort_grad"):
                     part.on_cohort_grad(fed, cohort)
                 momentum = sgd_update(leaves, list(grads), momentum, cfg.lr, cfg.momentum, cfg.weight_decay)
@@ -229,10 +238,12 @@ def _client_loss(fed: Core, client: ClientContext, rows: Tensor, outputs: Tensor
 
 
 def _padded(rows: list[Tensor], size: int) -> Tensor:
-    """``(m, size)``: each client's rows, then copies of its first row."""
+    """``(m, size)``: each client's rows, then copies of its first row (of the store's first row for an empty batch,
+    which Poisson-sampled steps may draw)."""
     if all(len(r) == size for r in rows):
         return torch.stack(rows)
-    return torch.stack([r if len(r) == size else torch.cat([r, r[:1].expand(size - len(r))]) for r in rows])
+    pad = [r[:1] if len(r) else torch.zeros(1, dtype=r.dtype, device=r.device) for r in rows]
+    return torch.stack([r if len(r) == size else torch.cat([r, p.expand(size - len(r))]) for r, p in zip(rows, pad)])
 
 
 def foldable(net: nn.Module) -> bool:

@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor
@@ -49,7 +48,7 @@ from typing_extensions import override
 
 from flx import privacy
 from flx.errors import ConfigError, bad_value
-from flx.hooks import FederatedCallback
+from flx.parts.dp_budget import Budgeted
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
@@ -77,10 +76,10 @@ class PrivacyParams:
     count_noise: float | None = None
 
 
-class CentralDP(FederatedCallback):
+class CentralDP(Budgeted):
     """Clips every client's update, noises the cohort's sum once on the server, accounts for every round."""
 
-    guards_uploads = True
+    guards = ("uploads", "cohort")
     vectorizable = True  # on_client_end runs with each client's model in the net on both runners
 
     def __init__(self, **params: Any) -> None:
@@ -89,18 +88,7 @@ class CentralDP(FederatedCallback):
             raise bad_value("privacy.clip", p.clip, "the L2 clip of a client's update, > 0")
         if p.clip_mode not in CLIP_MODES:
             raise bad_value("privacy.clip_mode", p.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
-        if p.noise_multiplier is None and p.target_epsilon is None:
-            raise bad_value("privacy.noise_multiplier", None, "set it (> 0) or privacy.target_epsilon to calibrate it")
-        if p.noise_multiplier is not None and not p.noise_multiplier > 0:
-            raise bad_value("privacy.noise_multiplier", p.noise_multiplier, "> 0 (no noise is no privacy)")
-        if p.target_epsilon is not None and not p.target_epsilon > 0:
-            raise bad_value("privacy.target_epsilon", p.target_epsilon, "> 0")
-        if not 0 < p.delta < 1:
-            raise bad_value("privacy.delta", p.delta, "in (0, 1), below 1 / (number of clients)")
-        try:
-            privacy.check_pairing(p.sampling, p.accountant)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        privacy.check_budget_keys(p.noise_multiplier, p.target_epsilon, p.delta, p.sampling, p.accountant)
         if not 0 < p.target_quantile < 1:
             raise bad_value("privacy.target_quantile", p.target_quantile, "in (0, 1)")
         if not p.clip_lr > 0:
@@ -230,25 +218,12 @@ class CentralDP(FederatedCallback):
 
     # ------------------------------------------------------------------ budget, logging, checkpoint
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log_dict({"privacy/epsilon": self.spent(), "privacy/clip": self.clip}, on_epoch=True)
-        budget = self.params.target_epsilon
-        if budget is None or trainer.should_stop or self.rounds >= (trainer.max_epochs or 0):
-            return
-        upcoming = self.spent(self.rounds + 1)
-        if upcoming > budget:
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                print(
-                    f"flx: privacy budget: round {self.rounds + 1} would spend epsilon={upcoming:.4f} > "
-                    f"privacy.target_epsilon={budget:g} (delta={self.params.delta:g}); stopped after round "
-                    f"{self.rounds} at epsilon={self.spent():.4f}",
-                    flush=True,
-                )
+    def upcoming(self) -> tuple[float, str]:
+        return self.spent(self.rounds + 1), "would spend {eps}"
 
     @override
-    def final_values(self) -> dict[str, float]:
-        return {"epsilon": self.spent()}
+    def logged(self) -> dict[str, float]:
+        return {"privacy/epsilon": self.spent(), "privacy/clip": self.clip}
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -81,9 +81,10 @@ class LambdaParams:
 class LambdaSampling(FederatedCallback):
     """The server's mixing weights ``lambda``: cohort sampling, snapshot model, projected (or prox) dual ascent."""
 
-    uploads = ("its losses at the snapshot model (DRFA's lambda step)",)
+    loss_uploads = ("its losses at the snapshot model (DRFA's lambda step)",)  # DRFA; DRFA-GA's are uploads
     headline = ("client_acc_worst", "client_mse_worst")  # the worst client: what DRFA optimises
     vectorizable = True  # algo.vectorize: the snapshot w^(t') is taken from the stacked clients (on_cohort_step_end)
+    data_free_steps = True  # the snapshot is a copy of the local model (under local DP-SGD, already private)
 
     def __init__(self, **params: Any) -> None:
         self.params = p = LambdaParams(**params)
@@ -109,6 +110,8 @@ class LambdaSampling(FederatedCallback):
         self.history: list[list[float]] = []
         self._snap_step = 0  # the round's j = t' - s tau (DRFA)
         self._names: list[str] = []  # fed.local_state's names in the net, to evaluate the snapshot functionally
+        if p.mode == "ga":  # every client's full loss at the round start, computed on the server's side
+            self.uploads, self.loss_uploads = ("its full local loss (DRFA-GA's lambda step)",), ()
 
     @override
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
@@ -226,8 +229,15 @@ class LambdaSampling(FederatedCallback):
         out = torch.zeros(fed.num_clients, dtype=torch.float64)
         was_training = fed.net.training
         fed.net.eval()
+        releasers = fed.parts_with("release_loss")  # a privacy part: the clients release noised losses
         try:
             for cid in eval_set:
+                released = next(
+                    (v for v in (p.release_loss(fed, cid, values, round_idx) for p in releasers) if v is not None), None
+                )
+                if released is not None:
+                    out[cid] = released
+                    continue
                 rows = fed.data.client_indices[cid]
                 if batch < len(rows):
                     g = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, cid, _EVAL_BATCH_TAG))

@@ -42,6 +42,7 @@ class Prox(FederatedCallback):
     """Adds ``mu * (w - w_global)`` to every local gradient. Symbols: ``mu``, ``w^t`` (round's global model)."""
 
     vectorizable = True  # algo.vectorize: the same term on the stacked gradients (on_cohort_grad)
+    data_free_steps = True  # the term reads the models only: local DP-SGD's clipped gradient stays private
 
     def __init__(self, mu: float = 0.01) -> None:
         if not mu >= 0:

@@ -105,6 +105,8 @@ class ProxStep(FederatedCallback):
         server_prox: see :class:`ProxStepParams`.
     """
 
+    data_free_steps = True  # the prox operator reads the model only
+
     def __init__(self, regularizer: Mapping[str, Any] | None = None, server_prox: bool = True) -> None:
         if not isinstance(server_prox, bool):
             raise bad_value("algo.server_prox", server_prox, "true or false")
@@ -151,6 +153,8 @@ class DualAveraging(FederatedCallback):
     Args:
         regularizer: the ``algo.regularizer`` mapping (:func:`flx.regularizers.make_regularizer`); None: ``h = 0``.
     """
+
+    data_free_steps = True  # the dual steps on the gradient as the other hooks left it (private under local DP-SGD)
 
     def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
         self.reg = make_regularizer(regularizer)

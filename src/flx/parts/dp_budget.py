@@ -1,0 +1,54 @@
+"""What the two privacy parts share after each round: ``privacy/epsilon`` in the logs, the budget's stop, epsilon in
+the final line (:class:`Budgeted`; :mod:`flx.parts.central_dp`, :mod:`flx.parts.local_dp`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from flx.hooks import FederatedCallback
+
+
+class Budgeted(FederatedCallback):
+    """A privacy part with a ledger: logs :meth:`logged` every round and, with ``params.target_epsilon`` set, stops
+    the run (one line) before a round whose :meth:`upcoming` epsilon would pass it. Subclasses keep ``params``
+    (``target_epsilon``, ``delta``) and ``rounds`` (the rounds accounted) and give :meth:`spent`."""
+
+    params: Any
+    rounds: int
+
+    def spent(self) -> float:
+        """:math:`\\varepsilon` at ``privacy.delta`` spent so far."""
+        raise NotImplementedError
+
+    def upcoming(self) -> tuple[float, str]:
+        """The epsilon the next round would (or could) reach, and how the stop says so, a template with ``{eps}``:
+        ``"would spend {eps}"``, or ``"could spend {eps} for client 3"``."""
+        raise NotImplementedError
+
+    def logged(self) -> dict[str, float]:
+        """What the part logs every round."""
+        return {"privacy/epsilon": self.spent()}
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log_dict(self.logged(), on_epoch=True)
+        budget = self.params.target_epsilon
+        if budget is None or trainer.should_stop or self.rounds >= (trainer.max_epochs or 0):
+            return
+        epsilon, how = self.upcoming()
+        if epsilon > budget:
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                print(
+                    f"flx: privacy budget: round {self.rounds + 1} {how.format(eps=f'epsilon={epsilon:.4f}')} > "
+                    f"privacy.target_epsilon={budget:g} (delta={self.params.delta:g}); stopped after round "
+                    f"{self.rounds} at epsilon={self.spent():.4f}",
+                    flush=True,
+                )
+
+    @override
+    def final_values(self) -> dict[str, float]:
+        return {"epsilon": self.spent()}
