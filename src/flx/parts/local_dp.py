@@ -88,8 +88,10 @@ class LocalDP(Budgeted):
         self.steps: dict[int, int] = {}  # the ledger: the steps (and loss releases) each client has made
         self.releases = 0  # loss releases a client may make in one round (DRFA's lambda step: 1)
         self.rounds = 0
+        self.rounds_planned = 0  # algo.rounds: what target_epsilon is calibrated for
         self._rows: Any = None  # flx.autodiff.row_grads, and its vmap over stacked clients
         self._stacked_rows: Any = None
+        self._linear: LinearRows | None = None  # per-row clipping without per-row gradients, where the net allows
 
     # ------------------------------------------------------------------ setup
     @override
