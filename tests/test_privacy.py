@@ -110,3 +110,22 @@ def test_pairings() -> None:
         privacy.check_pairing("fixed", "pld")
     with pytest.raises(ValueError, match="privacy.sampling=shuffle: allowed: poisson, fixed"):
         privacy.check_pairing("shuffle", "rdp")
+
+
+def test_the_numbers_pfl_research_and_flower_document() -> None:
+    """scripts/reproduce/privacy_compare.py's documented rows that pose the same question to the same accountant:
+    Flower's RDP accountant's reference values (bit-equal to 1e-12: the same dp-accounting computation) and
+    pfl-research's tutorial's calibrated noise (PLD, 0.4975 as printed to 4 digits)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "reproduce" / "privacy_compare.py"
+    spec = importlib.util.spec_from_file_location("privacy_compare", path)
+    compare = importlib.util.module_from_spec(spec)
+    sys.modules["privacy_compare"] = compare  # dataclasses look their module up
+    spec.loader.exec_module(compare)
+    rows = {c.name: c for c in compare.CASES}
+    for name in ("Flower RDP ref., no amplification", "Flower RDP ref., Poisson", "same, flx sigma = 2 x 1.5"):
+        assert rows[name].flx() == pytest.approx(rows[name].theirs, rel=1e-12), name
+    assert rows["pfl tutorial, PLD calibration"].flx() == pytest.approx(0.4975, abs=5e-5)
