@@ -11,6 +11,10 @@ Sections (``--sections``, default all, run in the order given; each is one funct
   processes where 2+ GPUs exist.
 * ``d`` (``gpu_check_procs.py``): ``kill -9`` in the middle of a round and ``ckpt_path=auto`` with
   ``trainer.deterministic=true``: the final model is bitwise equal to the uninterrupted run's.
+* ``f``: differential privacy, 2 rounds on the device and on the CPU: ``privacy=central`` gives the CPU's final
+  metrics within :data:`METRIC_TOL` (its noise is drawn on the host) and the same epsilon; ``privacy=local`` the
+  same epsilon (the per-client ledger) and a finite model (its noise comes from the device's generator, so the
+  metrics are not compared).
 * ``e``: speed (``gpu_check_speed.py``): ``make bench``'s workload a (small CNN, 50 of 1000 clients) and a ResNet-18
   on CIFAR-shaped data, flx (defaults) against the plain PyTorch loop on the same device, sequential and
   ``algo.vectorize=true``: rounds per second, peak device memory, the targets next to them.
@@ -50,7 +54,7 @@ import torch  # noqa: E402
 # run as a script this module is __main__; the section modules import it as gpu_check and must get this one
 sys.modules.setdefault("gpu_check", sys.modules[__name__])
 
-SECTIONS = ("a", "b", "c", "d", "e")
+SECTIONS = ("a", "b", "c", "d", "e", "f")
 QUIET = ("callbacks.progress_bar=null", "trainer.enable_progress_bar=false")
 #: (a): |device - cpu| <= METRIC_TOL * max(1, |cpu|) per final metric: absolute on accuracies/AUCs (in [0, 1]),
 #: relative on losses above 1. Float32 on different kernels after 2 rounds differs by ~1e-6 (docs/gpu.md)
@@ -66,7 +70,7 @@ class Row:
     """One line of the table.
 
     Attributes:
-        section: ``a`` .. ``e``.
+        section: ``a`` .. ``f``.
         check: what was checked or measured.
         status: ``passed``, ``FAILED``, ``measured`` (speed) or ``skipped: <reason>``.
         value: what was measured (max difference, rounds per second, ...).
@@ -235,6 +239,32 @@ def section_b(s: Setup) -> list[Row]:
     return rows
 
 
+def _privacy(s: Setup, mode: str) -> Row:
+    common = ["algo.rounds=2", f"privacy={mode}", "privacy.noise_multiplier=1.0"]
+    runs = {}
+    for device in (s.device, "cpu"):
+        out = s.work / f"f-{mode}-{device}-{len(runs)}"
+        with no_tf32():
+            metrics = train_here(out, [*common, f"trainer.accelerator={device}"])
+        epsilon = json.loads((out / "curves.json").read_text())["privacy/epsilon"][-1][1]
+        runs[len(runs)] = (metrics, float(epsilon), finite_model(out / "checkpoints" / "last.ckpt"))
+    (got, eps, finite), (cpu, eps_cpu, _) = runs[0], runs[1]
+    gap, key, close = metric_gap(cpu, got)
+    ok = finite and eps == eps_cpu and (close or mode == "local")
+    compared = f"max diff {gap:.2e} ({key}), " if mode == "central" else ""
+    return Row(
+        "f", f"privacy={mode} on {s.device} vs cpu, 2 rounds", "passed" if ok else "FAILED",
+        value=f"{compared}epsilon {eps:.6f} vs {eps_cpu:.6f}",
+        limit="metrics within tolerance, equal epsilon" if mode == "central" else "equal epsilon, finite model",
+        detail={"cpu": cpu, s.device: got},
+    )  # fmt: skip
+
+
+def section_f(s: Setup) -> list[Row]:
+    """Differential privacy: central DP as on the CPU, local DP's ledger as on the CPU."""
+    return [timed_row("f", f"privacy={mode}", lambda mode=mode: _privacy(s, mode)) for mode in ("central", "local")]
+
+
 def section_e(s: Setup) -> list[Row]:
     """Speed against the plain loop (``gpu_check_speed.py``)."""
     import gpu_check_speed
@@ -262,6 +292,7 @@ RUNNERS: dict[str, Callable[[Setup], Iterable[Row]]] = {
     "c": section_c,
     "d": section_d,
     "e": section_e,
+    "f": section_f,
 }
 
 

@@ -38,7 +38,7 @@ def test_cpu_analogue_passes_every_check(cpu_run: tuple[subprocess.CompletedProc
     """Exit status 0 and the table's rows, section by section: (a) each CPU config against a second CPU run, the
     same metrics to the bit; (b) bf16 finite, 16-mixed skipped on the CPU; (c) 2 gloo processes within 1e-4 of one
     process, NCCL skipped; (d) kill -9 and resume bitwise; (e) per workload the flx == plain check passed and the
-    speeds measured, ResNet-18 vectorised skipped (BatchNorm)."""
+    speeds measured, ResNet-18 vectorised skipped (BatchNorm); (f) central and local DP as on the CPU."""
     proc, rows = cpu_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not [
@@ -60,14 +60,16 @@ def test_cpu_analogue_passes_every_check(cpu_run: tuple[subprocess.CompletedProc
         speed = _row(rows, "e", f"{name}: rounds/s")
         assert speed["status"] == "measured" and min(speed["detail"]["rounds_per_s"].values()) > 0, speed
     assert "BatchNorm2d" in _row(rows, "e", "resnet18 vectorised")["status"]
-    assert len(rows) == 3 + 2 + 2 + 1 + 7
+    central, local = _row(rows, "f", "privacy=central"), _row(rows, "f", "privacy=local")
+    assert central["status"] == local["status"] == "passed" and central["value"].startswith("max diff 0.00e+00")
+    assert len(rows) == 3 + 2 + 2 + 1 + 7 + 2
     assert f"\n{len(rows)} rows in " in proc.stdout and "FAILED" not in proc.stdout
 
 
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["--sections", "a,z"], "gpu_check: error: --sections: unknown z; allowed: a, b, c, d, e"),
+        (["--sections", "a,z"], "gpu_check: error: --sections: unknown z; allowed: a, b, c, d, e, f"),
         (["--algos", "fedavg,nope"], "gpu_check: error: --algos: unknown nope; allowed: afl, augfl, "),
         (["--budget-s", "0"], "gpu_check: error: --budget-s: 0.0; allowed: > 0 seconds"),
     ],
