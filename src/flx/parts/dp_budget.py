@@ -29,8 +29,12 @@ class Budgeted(FederatedCallback):
         raise NotImplementedError
 
     def logged(self) -> dict[str, float]:
-        """What the part logs every round."""
+        """What the part logs every round (the keys :meth:`metric_names` gives)."""
         return {"privacy/epsilon": self.spent()}
+
+    @override
+    def metric_names(self) -> tuple[str, ...]:
+        return ("privacy/epsilon",)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

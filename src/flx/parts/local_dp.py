@@ -151,10 +151,6 @@ class LocalDP(Budgeted):
         return privacy.Mechanism(self.params.sampling, float(sigma), n, min(self.batch_size, n))
 
     @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("privacy/epsilon",)
-
-    @override
     def on_attach(self, fed: FederationView) -> None:
         if not self.sizes:  # a federation built without the run's checks (tests): its own sizes and parts
             self._setup({i: fed.num_samples(i) for i in range(fed.num_clients)}, fed.cfg)
