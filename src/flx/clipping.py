@@ -16,6 +16,11 @@ import torch
 from torch import Tensor, nn
 
 
+def clip_factors(norms: Tensor, clip: float) -> Tensor:
+    """:math:`\\min(1, C / \\lVert g_j \\rVert)` per row (a zero gradient: :math:`C / 0 = \\infty`, so 1)."""
+    return (clip / norms).clamp(max=1.0)
+
+
 def clipped_sum(grads: list[Tensor], clip: float, dims: int, mask: Tensor | None = None) -> list[Tensor]:
     """:math:`\\sum_j g_j \\min(1, C / \\lVert g_j \\rVert)` over the rows, the norm over all tensors of a row; the
     rows are the first ``dims`` dimensions (rows; or clients then rows, summed over the rows only). ``mask`` (the
@@ -24,7 +29,7 @@ def clipped_sum(grads: list[Tensor], clip: float, dims: int, mask: Tensor | None
     rows is tens of megabytes)."""
     rows = [g.reshape(*g.shape[:dims], -1) for g in grads]  # views: (..., entries)
     norms = sum(torch.linalg.vector_norm(r, dim=-1).double().square() for r in rows).sqrt()
-    factors = (clip / norms).clamp(max=1.0)  # a zero gradient: C / 0 = inf -> 1
+    factors = clip_factors(norms, clip)
     if mask is not None:
         factors = factors * mask
     out = []
@@ -83,7 +88,7 @@ class LinearRows:
         for (mod, w, b), d in zip(self.layers, deltas):
             dd = d.double().square().sum(1)
             sq = sq + (dd * inputs[mod].double().square().sum(1) if w is not None else 0) + (dd if b is not None else 0)
-        factors = (clip / sq.sqrt()).clamp(max=1.0)  # a zero gradient: C / 0 = inf -> 1
+        factors = clip_factors(sq.sqrt(), clip)
         summed: list[Tensor] = [torch.zeros_like(p) for p in params]
         for (mod, w, b), d in zip(self.layers, deltas):
             scaled = d * factors.to(d.dtype)[:, None]

@@ -244,11 +244,11 @@ def check_uploads(parts: Sequence[FederatedCallback]) -> None:
     if guard is None:
         return
     name = type(guard).__name__
+    covered = overrides(guard, "release_loss")  # losses through release_loss come out noised and accounted
     for part in parts:
         if part is guard:
             continue
         other = type(part).__name__
-        covered = overrides(guard, "release_loss")  # losses through release_loss come out noised and accounted
         sent = [*part.uploads, *(() if covered else part.loss_uploads)]
         if "uploads" in guard.guards and sent:
             raise ConfigError(

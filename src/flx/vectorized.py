@@ -149,7 +149,11 @@ class Stacked(ClientRunner):
                 own = [self.step_rows(client, k, stream) for client, stream in zip(clients, streams)]
                 cohort.step, cohort.sizes = k, [len(r) for r in own]
                 rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
-                ruled = next((r for r in (part.cohort_grad(fed, cohort) for part in rules) if r is not None), None)
+                ruled = None
+                for part in rules:  # the first part that computes the step's gradients itself (local DP-SGD)
+                    ruled = part.cohort_grad(fed, cohort)
+                    if ruled is not None:
+                        break
                 # (a part's gradients come shaped like params; the leaves take their transposed views)
                 if ruled is None:
                     out = forward(leaves, fed.data.x[rows], cohort.sizes)

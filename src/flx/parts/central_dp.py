@@ -47,6 +47,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx import privacy
+from flx.clipping import clip_factors
 from flx.errors import ConfigError, bad_value
 from flx.parts.dp_budget import Budgeted
 from flx.sampling import derive_seed
@@ -169,9 +170,9 @@ class CentralDP(Budgeted):
         norms = torch.stack([d.double().norm() for d in delta])  # float64, on the model's device
         total = norms.square().sum().sqrt()
         if self.params.clip_mode == "flat":  # min(1, C / ||Delta||); a zero update: C / 0 = inf -> 1
-            factors = (self.clip / total).clamp(max=1.0).expand(len(delta))
+            factors = clip_factors(total, self.clip).expand(len(delta))
         else:  # each tensor to C / sqrt(L)
-            factors = (self.clip / math.sqrt(len(delta)) / norms).clamp(max=1.0)
+            factors = clip_factors(norms, self.clip / math.sqrt(len(delta)))
         for t, g, d, f in zip(fed.local_state, fed.global_state, delta, factors):
             t.copy_(g + d * f.to(d.dtype))
         fed.stat(_COUNT)[0] += 1

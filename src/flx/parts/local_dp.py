@@ -256,7 +256,6 @@ class LocalDP(Budgeted):
     def cohort_grad(self, fed: FederationView, cohort: Cohort) -> tuple[Tensor, list[Tensor]]:
         params = tuple(p.detach().contiguous() for p in cohort.params)  # a folded net stores weights transposed
         m, rows = len(cohort.clients), cohort.rows
-        sizes = torch.tensor(cohort.sizes).to(params[0].device, non_blocking=True)
         if rows.shape[1] and self._linear is not None:  # client by client, each without per-row gradients
             x, y = fed.data.x[rows], fed.data.y[rows]
             done = [
@@ -265,6 +264,7 @@ class LocalDP(Budgeted):
             summed = [torch.stack(g) for g in zip(*(d[0] for d in done))]
             loss = torch.stack([d[1].mean() if len(d[1]) else d[1].new_zeros(()) for d in done])
         elif rows.shape[1]:
+            sizes = torch.tensor(cohort.sizes).to(params[0].device, non_blocking=True)
             grads, losses = self._stacked_rows(params, fed.data.x[rows], fed.data.y[rows])  # (m, B, ...), (m, B)
             mask = torch.arange(rows.shape[1], device=sizes.device) < sizes[:, None]  # padding rows count for nothing
             summed = clipped_sum(list(grads), self.params.clip, 2, mask)
@@ -293,13 +293,16 @@ class LocalDP(Budgeted):
         when ``stacked``. Each client draws from its own generator, tensor by tensor."""
         std = self.sigma * self.params.clip
         denominators = [float(min(self.batch_size, self.sizes[c.cid])) for c in clients]
+        if stacked:  # one (m,) tensor, made on the host once a step (docs/loop.md#devices)
+            per_client = torch.tensor(denominators, dtype=summed[0].dtype).to(summed[0].device, non_blocking=True)
         out = []
         for s in summed:
             shape = s.shape[stacked:]
             z = [torch.randn(shape, generator=c.extras[_NOISE], device=s.device, dtype=s.dtype) for c in clients]
-            noise = torch.stack(z) if stacked else z[0]
-            scale = torch.tensor(denominators, dtype=s.dtype).to(s.device).view(-1, *[1] * len(shape))
-            out.append((s + noise * std) / (scale if stacked else scale[0]))
+            if stacked:
+                out.append((s + torch.stack(z) * std) / per_client.view(-1, *[1] * len(shape)))
+            else:
+                out.append((s + z[0] * std) / denominators[0])
         return out
 
     # ------------------------------------------------------------------ budget, logging, checkpoint
