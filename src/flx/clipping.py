@@ -4,16 +4,20 @@ releases (Abadi, Chu, Goodfellow, McMahan, Mironov, Talwar, Zhang, "Deep Learnin
 
 Two ways to the same numbers: :func:`clipped_sum` clips per-row gradients that are already formed
 (:func:`flx.autodiff.row_grads`, any net); :class:`LinearRows` never forms them, for a net of row-wise linear layers
-(each row's gradient norm and the clipped sum from the layers' inputs and output gradients). Used by local DP
-(:mod:`flx.parts.local_dp`).
+(each row's gradient norm and the clipped sum from the layers' inputs and output gradients). Either clips a row's
+gradient as one vector (``flat``) or each of its tensors on its own (``per_layer``, :func:`tensor_factors`). Used by
+local DP (:mod:`flx.parts.local_dp`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+CLIP_MODES = ("flat", "per_layer")  # privacy.clip_mode
 
 
 def clip_factors(norms: Tensor, clip: float) -> Tensor:
@@ -21,20 +25,30 @@ def clip_factors(norms: Tensor, clip: float) -> Tensor:
     return (clip / norms).clamp(max=1.0)
 
 
-def clipped_sum(grads: list[Tensor], clip: float, dims: int, mask: Tensor | None = None) -> list[Tensor]:
-    """:math:`\\sum_j g_j \\min(1, C / \\lVert g_j \\rVert)` over the rows, the norm over all tensors of a row; the
-    rows are the first ``dims`` dimensions (rows; or clients then rows, summed over the rows only). ``mask`` (the
-    first ``dims`` dimensions) leaves rows out. Each tensor's row norms come from ``vector_norm`` in its own dtype
-    and the weighted sum is one matrix product per tensor: no copy of the per-row gradients (a stack of clients'
-    rows is tens of megabytes)."""
+def tensor_factors(squares: list[Tensor], clip: float, per_layer: bool) -> list[Tensor]:
+    """Each tensor's clip factors from each tensor's squared norms (per row): ``flat``, one factor for all
+    :math:`L` tensors, :math:`\\min(1, C / \\lVert g \\rVert)`; ``per_layer``, each tensor to :math:`C / \\sqrt L`
+    on its own, :math:`\\min(1, C / (\\sqrt L \\lVert g^{(l)} \\rVert))`, so the whole stays within :math:`C` (the
+    sensitivity the noise is calibrated to either way)."""
+    if not per_layer:
+        return [clip_factors(sum(squares).sqrt(), clip)] * len(squares)
+    return [clip_factors(sq.sqrt(), clip / math.sqrt(len(squares))) for sq in squares]
+
+
+def clipped_sum(
+    grads: list[Tensor], clip: float, dims: int, mask: Tensor | None = None, per_layer: bool = False
+) -> list[Tensor]:
+    """:math:`\\sum_j g_j \\min(1, C / \\lVert g_j \\rVert)` over the rows, the norm over all tensors of a row (or
+    each tensor clipped on its own, ``per_layer``: :func:`tensor_factors`); the rows are the first ``dims``
+    dimensions (rows; or clients then rows, summed over the rows only). ``mask`` (the first ``dims`` dimensions)
+    leaves rows out. Each tensor's row norms come from ``vector_norm`` in its own dtype and the weighted sum is one
+    matrix product per tensor: no copy of the per-row gradients (a stack of clients' rows is tens of megabytes)."""
     rows = [g.reshape(*g.shape[:dims], -1) for g in grads]  # views: (..., entries)
-    norms = sum(torch.linalg.vector_norm(r, dim=-1).double().square() for r in rows).sqrt()
-    factors = clip_factors(norms, clip)
-    if mask is not None:
-        factors = factors * mask
+    squares = [torch.linalg.vector_norm(r, dim=-1).double().square() for r in rows]
+    factors = tensor_factors(squares, clip, per_layer)
     out = []
-    for g, r in zip(grads, rows):
-        f = factors.to(g.dtype)
+    for g, r, f in zip(grads, rows, factors):
+        f = (f if mask is None else f * mask).to(g.dtype)
         summed = f @ r if dims == 1 else torch.bmm(f.unsqueeze(1), r).squeeze(1)  # (entries,) or (m, entries)
         out.append(summed.reshape(*g.shape[: dims - 1], *g.shape[dims:]))
     return out
@@ -65,8 +79,11 @@ class LinearRows:
                 if w is not None or b is not None:
                     self.layers.append((mod, w, b))
 
-    def clipped_sum(self, params: tuple[Tensor, ...], x: Tensor, y: Tensor, clip: float) -> tuple[list[Tensor], Tensor]:
-        """:math:`\\sum_j \\mathrm{clip}_C(g_j)` shaped like ``params``, and the rows' losses ``(B,)``."""
+    def clipped_sum(
+        self, params: tuple[Tensor, ...], x: Tensor, y: Tensor, clip: float, per_layer: bool = False
+    ) -> tuple[list[Tensor], Tensor]:
+        """:math:`\\sum_j \\mathrm{clip}_C(g_j)` shaped like ``params`` (flat, or ``per_layer``:
+        :func:`tensor_factors`), and the rows' losses ``(B,)``."""
         inputs: dict[nn.Module, Tensor] = {}
         outputs: dict[nn.Module, Tensor] = {}
 
@@ -84,18 +101,23 @@ class LinearRows:
                 h.remove()
         if any(inputs[mod].dim() != 2 for mod, _, _ in self.layers):
             raise NotRowwise
-        sq = params[0].new_zeros(len(y), dtype=torch.float64)
+        order: list[int] = []  # each trainable tensor's index in params and squared row norms, layer by layer
+        squares: list[Tensor] = []
         for (mod, w, b), d in zip(self.layers, deltas):
             dd = d.double().square().sum(1)
-            sq = sq + (dd * inputs[mod].double().square().sum(1) if w is not None else 0) + (dd if b is not None else 0)
-        factors = clip_factors(sq.sqrt(), clip)
+            if w is not None:
+                order.append(w)
+                squares.append(dd * inputs[mod].double().square().sum(1))
+            if b is not None:
+                order.append(b)
+                squares.append(dd)
+        factors = dict(zip(order, tensor_factors(squares, clip, per_layer)))
         summed: list[Tensor] = [torch.zeros_like(p) for p in params]
         for (mod, w, b), d in zip(self.layers, deltas):
-            scaled = d * factors.to(d.dtype)[:, None]
             if w is not None:
-                summed[w] = scaled.T @ inputs[mod]
+                summed[w] = (d * factors[w].to(d.dtype)[:, None]).T @ inputs[mod]
             if b is not None:
-                summed[b] = scaled.sum(0)
+                summed[b] = (d * factors[b].to(d.dtype)[:, None]).sum(0)
         return summed, losses.detach()
 
 

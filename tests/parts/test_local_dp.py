@@ -45,27 +45,32 @@ def test_row_grads_are_each_rows_own_gradient() -> None:
     assert all(p.grad is None for p in net.parameters())  # the net is not touched
 
 
-def test_one_step_by_hand() -> None:
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_one_step_by_hand(mode: str) -> None:
     """One client, one step, fixed-size batches: ``w1 = w0 - lr (sum_j clip(g_j) + sigma C z) / B``, the rows drawn
-    by the client's ``(seed, round, client)`` stream, ``z`` from its noise stream, each ``g_j`` by autograd."""
+    by the client's ``(seed, round, client)`` stream, ``z`` from its noise stream, each ``g_j`` by autograd; clipped
+    as one vector (``flat``) or each of the L = 2 tensors to ``C / sqrt(2)`` (``per_layer``)."""
     sizes, b, clip, sigma, lr = [12], 5, 2.0, 0.8, 0.5
     net = linear(dtype=torch.float64)
     w0 = [p.detach().clone() for p in net.parameters()]
     data = toy_data(sizes, dtype=torch.float64)
-    dp = _dp(clip=clip, noise_multiplier=sigma, sampling="fixed", accountant="rdp")
+    dp = _dp(clip=clip, clip_mode=mode, noise_multiplier=sigma, sampling="fixed", accountant="rdp")
     fed = make_fed(net, data, [dp], clients_per_round=1, lr=lr, local_steps=1, batch_size=b)
     run_rounds(fed, 1)
     rows = fresh_rows(data.client_indices[0], b, torch.Generator().manual_seed(derive_seed(0, 0, 0)))
     ref = linear(dtype=torch.float64)
     total = [torch.zeros_like(w) for w in w0]
-    clipped = 0
+    clipped, cases = 0, 0
     for j in rows.tolist():
         g = torch.autograd.grad(F.cross_entropy(ref(data.x[j : j + 1]), data.y[j : j + 1]), list(ref.parameters()))
-        norm = math.sqrt(sum(float(t.square().sum()) for t in g))
-        clipped += norm > clip
-        for acc, t in zip(total, g):
-            acc += t * min(1.0, clip / norm)
-    assert 0 < clipped < b  # both cases of the clip occur
+        groups = [range(len(g))] if mode == "flat" else [[i] for i in range(len(g))]
+        cap = clip if mode == "flat" else clip / math.sqrt(len(g))
+        for group in groups:
+            norm = math.sqrt(sum(float(g[i].square().sum()) for i in group))
+            clipped, cases = clipped + (norm > cap), cases + 1
+            for i in group:
+                total[i] += g[i] * min(1.0, cap / norm)
+    assert 0 < clipped < cases  # both cases of the clip occur
     gen = torch.Generator().manual_seed(derive_seed(0, 0, 0, 0, _NOISE_TAG))
     for p, w, s in zip(net.parameters(), w0, total):
         z = torch.randn(w.shape, generator=gen, dtype=torch.float64)
@@ -134,14 +139,16 @@ def test_poisson_batches_are_binomial() -> None:
     assert fixed.sizes == [b] * 20
 
 
-def test_stacked_clients_give_the_sequential_model() -> None:
-    """``algo.vectorize=true``: every client's rows, clipping and noise stream as sequentially, with FedProx's term
-    after the noise; Poisson batches of unequal sizes (some empty: B = 2) pad the stack. float64: equal to 1e-10."""
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_stacked_clients_give_the_sequential_model(mode: str) -> None:
+    """``algo.vectorize=true``: every client's rows, clipping (either mode) and noise stream as sequentially, with
+    FedProx's term after the noise; Poisson batches of unequal sizes (some empty: B = 2) pad the stack. float64:
+    equal to 1e-10."""
     models, ledgers = [], []
     for vectorize in (False, True):
         net = linear(dtype=torch.float64)
         data = toy_data([20, 30, 25, 40], dtype=torch.float64)
-        dp = _dp(clip=0.5)
+        dp = _dp(clip=0.5, clip_mode=mode)
         parts = [Prox(mu=0.1), dp]
         fed = make_fed(net, data, parts, clients_per_round=3, lr=0.3, local_steps=5, batch_size=2, vectorize=vectorize)
         run_rounds(fed, 3)
@@ -260,6 +267,7 @@ def test_a_batchnorm_net_is_refused() -> None:
     "kw, match",
     [
         ({"clip": -1.0}, "privacy.clip=-1.0"),
+        ({"clip_mode": "tensor"}, "privacy.clip_mode='tensor': allowed: flat, per_layer"),
         ({"noise_multiplier": None}, "privacy.noise_multiplier=None: set it"),
         ({"sampling": "fixed"}, "privacy.accountant=pld: fixed-size sampling"),
         ({"delta": 0.0}, "privacy.delta=0.0"),
@@ -270,10 +278,12 @@ def test_bad_settings_are_one_line(kw, match) -> None:
         _dp(**kw)
 
 
-def test_linear_rows_clip_as_the_per_row_gradients_do() -> None:
-    """``LinearRows`` (the layers' activations and output gradients, no per-row gradients) gives the clipped sum and
-    the losses of clipping every row's own gradient (float64; an MLP with a frozen bias; C between the rows'
-    norms)."""
+@pytest.mark.parametrize("mode", ["flat", "per_layer"])
+def test_clipped_sums_by_hand(mode: str) -> None:
+    """The clipped sum row by row by hand, ``flat`` (each row's gradient as one vector, to C) or ``per_layer`` (each
+    of its L = 5 trainable tensors to C / sqrt(L)): ``clipped_sum`` on per-row gradients, ``LinearRows`` (the layers'
+    activations and output gradients, no per-row gradients; the losses too) and ``clipped_sum`` on two stacked
+    clients with padding rows masked out all give it (float64; an MLP with a frozen bias; C between the norms)."""
     from flx.clipping import LinearRows, clipped_sum
     from flx.tasks import Classification
 
@@ -283,10 +293,34 @@ def test_linear_rows_clip_as_the_per_row_gradients_do() -> None:
     x, y = torch.randn(9, 2, 3, dtype=torch.float64), torch.randint(0, 3, (9,))
     params = tuple(p.detach() for p in net.parameters() if p.requires_grad)
     grads, losses = row_grads(net, F.cross_entropy)(params, x, y)
-    norms = torch.stack([torch.cat([g[j].reshape(-1) for g in grads]).norm() for j in range(9)])
-    clip = float(norms.median())
-    expected = clipped_sum(list(grads), clip, 1)
-    summed, rows = LinearRows(net, Classification().loss_rows).clipped_sum(params, x, y, clip)
+    n_tensors = len(params)
+    groups = [list(range(n_tensors))] if mode == "flat" else [[i] for i in range(n_tensors)]
+    norms = torch.tensor(
+        [[float(sum(grads[i][j].square().sum() for i in grp)) ** 0.5 for grp in groups] for j in range(9)],
+        dtype=torch.float64,
+    )
+    cap = float(norms.median())  # flat: C itself; per_layer: C / sqrt(L)
+    clip = cap if mode == "flat" else cap * math.sqrt(n_tensors)
+    expected = [torch.zeros_like(p) for p in params]
+    for j in range(9):
+        for k, grp in enumerate(groups):
+            for i in grp:
+                expected[i] += grads[i][j] * min(1.0, cap / float(norms[j, k]))
+    assert 0 < int((norms > cap).sum()) < norms.numel()  # both cases of the clip occur
+    per_layer = mode == "per_layer"
+    summed, rows = LinearRows(net, Classification().loss_rows).clipped_sum(params, x, y, clip, per_layer)
     torch.testing.assert_close(rows, losses, rtol=1e-12, atol=0)
-    for a, b in zip(summed, expected):
+    stacked = [torch.stack([g, torch.cat([g[3:], torch.randn_like(g[:3])])]) for g in grads]  # client 2: rows 3-8
+    mask = torch.ones(2, 9, dtype=torch.float64)
+    mask[1, 6:] = 0
+    two = clipped_sum(stacked, clip, 2, mask, per_layer)
+    tail = [torch.zeros_like(p) for p in params]
+    for j in range(3, 9):
+        for k, grp in enumerate(groups):
+            for i in grp:
+                tail[i] += grads[i][j] * min(1.0, cap / float(norms[j, k]))
+    for got in (clipped_sum(list(grads), clip, 1, per_layer=per_layer), summed, [t[0] for t in two]):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    for a, b in zip([t[1] for t in two], tail):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

@@ -47,7 +47,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx import privacy
-from flx.clipping import clip_factors
+from flx.clipping import CLIP_MODES, clip_factors
 from flx.errors import ConfigError, bad_value
 from flx.parts.dp_budget import Budgeted
 from flx.sampling import derive_seed
@@ -55,7 +55,6 @@ from flx.sampling import derive_seed
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationConfig, FederationView, Round
 
-CLIP_MODES = ("flat", "per_layer")
 _NOISE_TAG = 0x4450  # "DP": the round's noise stream, derive_seed(seed, round, tag)
 _COUNT, _BELOW = "privacy/count", "privacy/below"  # clients aggregated; clients within the clip (adaptive)
 

@@ -10,7 +10,9 @@ multiplier :math:`\sigma`; at every local step :math:`k`:
    :math:`q_i = \min(1, B / n_i)` (the batch size varies around :math:`B`), or ``fixed``, :math:`\min(B, n_i)` rows
    without replacement (``algo.minibatch=fresh``'s draw);
 2. each row's gradient :math:`g_j = \nabla_w \ell(w; x_j, y_j)` (the task's loss on the row alone,
-   :func:`flx.autodiff.row_grads`: ``torch.func``) is clipped to L2 norm :math:`C` over all trainable parameters;
+   :func:`flx.autodiff.row_grads`: ``torch.func``) is clipped to L2 norm :math:`C` over all trainable parameters
+   (``clip_mode=flat``), or each of its :math:`L` trainable tensors to :math:`C / \sqrt{L}` (``per_layer``: the
+   whole still within :math:`C`, so the noise and the ledger are the same);
 3. :math:`\tilde g = \big(\sum_j g_j \min(1, C / \lVert g_j \rVert) + \mathcal N(0, \sigma^2 C^2 I)\big) / (q_i n_i)`,
    the fixed denominator (the expected batch size, :math:`\min(B, n_i)`), is the step's gradient. Parts whose step
    hooks read only the models (FedProx's proximal term, a prox operator: ``data_free_steps``) then act on it as
@@ -40,7 +42,7 @@ from typing_extensions import override
 
 from flx import privacy
 from flx.autodiff import row_grads
-from flx.clipping import LinearRows, NotRowwise, clipped_sum
+from flx.clipping import CLIP_MODES, LinearRows, NotRowwise, clipped_sum
 from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
 from flx.parts.dp_budget import Budgeted
@@ -60,6 +62,7 @@ class LocalParams:
     """The ``privacy.*`` keys of ``privacy=local`` (``configs/privacy/local.yaml``)."""
 
     clip: float = 1.0
+    clip_mode: str = "flat"
     noise_multiplier: float | None = None
     target_epsilon: float | None = None
     delta: float = 1e-5
@@ -78,10 +81,13 @@ class LocalDP(Budgeted):
         self.params = p = LocalParams(**params)
         if not p.clip > 0:
             raise bad_value("privacy.clip", p.clip, "the L2 clip of one row's gradient, > 0")
+        if p.clip_mode not in CLIP_MODES:
+            raise bad_value("privacy.clip_mode", p.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
         if not p.loss_clip > 0:
             raise bad_value("privacy.loss_clip", p.loss_clip, "the bound a row's released loss is clipped to, > 0")
         privacy.check_budget_keys(p.noise_multiplier, p.target_epsilon, p.delta, p.sampling, p.accountant)
         self.sigma: float | None = p.noise_multiplier
+        self.per_layer = p.clip_mode == "per_layer"
         self.batch_size = 0  # B
         self.sizes: dict[int, int] = {}  # n_i of the clients that train
         self.plan: dict[int, int] = {}  # K_i: a client's local steps in one round
@@ -267,7 +273,7 @@ class LocalDP(Budgeted):
             sizes = torch.tensor(cohort.sizes).to(params[0].device, non_blocking=True)
             grads, losses = self._stacked_rows(params, fed.data.x[rows], fed.data.y[rows])  # (m, B, ...), (m, B)
             mask = torch.arange(rows.shape[1], device=sizes.device) < sizes[:, None]  # padding rows count for nothing
-            summed = clipped_sum(list(grads), self.params.clip, 2, mask)
+            summed = clipped_sum(list(grads), self.params.clip, 2, mask, self.per_layer)
             loss = (losses * mask).sum(1) / sizes.clamp_min(1).to(losses.dtype)
         else:
             summed, loss = [torch.zeros_like(p) for p in params], params[0].new_zeros(m)
@@ -277,16 +283,16 @@ class LocalDP(Budgeted):
         """One client's :math:`\\sum_j \\mathrm{clip}(g_j)` over its rows ``x, y`` and their losses ``(B,)``: from the
         linear layers' activations for a net of row-wise linear layers (:class:`LinearRows`), else from per-row
         gradients (:func:`flx.autodiff.row_grads`)."""
-        clip = self.params.clip
+        clip, per_layer = self.params.clip, self.per_layer
         if not len(y):
             return [torch.zeros_like(p) for p in params], params[0].new_zeros(0)
         if self._linear is not None:
             try:
-                return self._linear.clipped_sum(params, x, y, clip)
+                return self._linear.clipped_sum(params, x, y, clip, per_layer)
             except NotRowwise:  # a layer saw sequences: per-row gradients from now on
                 self._linear = None
         grads, losses = self._rows(params, x, y)
-        return clipped_sum(list(grads), clip, 1), losses
+        return clipped_sum(list(grads), clip, 1, per_layer=per_layer), losses
 
     def _noised(self, summed: list[Tensor], clients: list[ClientContext], stacked: int) -> list[Tensor]:
         """``(sum + N(0, sigma^2 C^2 I)) / min(B, n_i)`` for each client; ``summed`` has a leading client dimension
