@@ -746,11 +746,15 @@ def test_privacy_budget_stops_before_the_round_that_would_exceed_it(tmp_path: Pa
 
 @pytest.mark.parametrize("mode", ["central", "local"])
 def test_privacy_reproduction_script_quick(tmp_path: Path, mode: str) -> None:
-    """scripts/reproduce/privacy.py writes the table (the spent epsilon within its target) and the plot."""
-    _script("privacy.py", "--mode", mode, "--seeds", "1", "--epsilons", "8", "--out", str(tmp_path))
-    name = "digits" if mode == "central" else "digits_local"
-    rows = [r for r in (tmp_path / f"{name}.md").read_text().splitlines() if r.startswith("| 8 |") or "| none |" in r]
+    """scripts/reproduce/privacy.py writes the table (the spent epsilon within its target) and the plot; local DP
+    as a variant (``--set``): its files are named after it and the command in the table repeats it."""
+    extra = [] if mode == "central" else ["--set", "privacy.clip_mode=per_layer"]
+    _script("privacy.py", "--mode", mode, "--seeds", "1", "--epsilons", "8", *extra, "--out", str(tmp_path))
+    name = "digits" if mode == "central" else "digits_local_clip_mode_per_layer"
+    text = (tmp_path / f"{name}.md").read_text()
+    rows = [r for r in text.splitlines() if r.startswith("| 8 |") or "| none |" in r]
     assert len(rows) == 2 and float(rows[0].split("|")[2]) <= 8.0
+    assert " ".join(["--epsilons 8", *extra]) + "`" in text
     assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
