@@ -42,10 +42,10 @@ from typing_extensions import override
 
 from flx import privacy
 from flx.autodiff import row_grads
-from flx.clipping import CLIP_MODES, LinearRows, NotRowwise, clipped_sum
+from flx.clipping import LinearRows, NotRowwise, clipped_sum
 from flx.errors import ConfigError, bad_value
 from flx.hooks import FederatedCallback
-from flx.parts.dp_budget import Budgeted
+from flx.parts.dp_budget import Budgeted, BudgetParams
 from flx.sampling import derive_seed, fresh_rows
 from flx.vectorized import foldable
 
@@ -58,16 +58,10 @@ _LOSS_TAG = 0x444C  # "DL": a released loss's rows and noise, derive_seed(seed, 
 
 
 @dataclass(frozen=True)
-class LocalParams:
+class LocalParams(BudgetParams):
     """The ``privacy.*`` keys of ``privacy=local`` (``configs/privacy/local.yaml``)."""
 
     clip: float = 1.0
-    clip_mode: str = "flat"
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float = 1e-5
-    sampling: str = "poisson"
-    accountant: str = "pld"
     loss_clip: float = 5.0
 
 
@@ -79,13 +73,9 @@ class LocalDP(Budgeted):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = LocalParams(**params)
-        if not p.clip > 0:
-            raise bad_value("privacy.clip", p.clip, "the L2 clip of one row's gradient, > 0")
-        if p.clip_mode not in CLIP_MODES:
-            raise bad_value("privacy.clip_mode", p.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
+        p.check("one row's gradient")
         if not p.loss_clip > 0:
             raise bad_value("privacy.loss_clip", p.loss_clip, "the bound a row's released loss is clipped to, > 0")
-        privacy.check_budget_keys(p.noise_multiplier, p.target_epsilon, p.delta, p.sampling, p.accountant)
         self.sigma: float | None = p.noise_multiplier
         self.per_layer = p.clip_mode == "per_layer"
         self.batch_size = 0  # B
