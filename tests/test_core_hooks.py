@@ -18,7 +18,7 @@ from torch import Tensor
 from flx import autodiff
 from flx.datamodules.client_eval import ClientRows
 from flx.federation import COUNTERS
-from flx.hooks import HOOKS, FederatedCallback
+from flx.hooks import HOOKS, FederatedCallback, first_answer
 
 f64 = torch.float64
 
@@ -339,3 +339,25 @@ def test_client_rows_are_the_steps_minibatch() -> None:
     fed = make_fed(linear(dim=3, out=1, dtype=f64), data, [Check()], loss_fn=_mse, clients_per_round=2, batch_size=4)
     run_rounds(fed, 1)
     assert seen and all(seen)
+
+
+def test_first_answer_asks_in_order_until_one_answers() -> None:
+    """The rule of the hooks one part answers for all: the parts in order, the first non-None answer wins, the later
+    parts are never asked; None when no part answers."""
+    asked: list[str] = []
+
+    class Answers(FederatedCallback):
+        def __init__(self, name: str, answer: object) -> None:
+            self.name, self.answer = name, answer
+
+        def release_loss(self, fed, cid, state, round_idx):
+            asked.append(self.name)
+            return self.answer if cid == 0 else None
+
+    parts = [Answers("a", None), Answers("b", 0.0), Answers("c", 2.0)]
+    assert first_answer(parts, "release_loss", None, 0, {}, 3) == 0.0  # 0.0 is an answer: only None defers
+    assert asked == ["a", "b"]
+    asked.clear()
+    assert first_answer(parts, "release_loss", None, 1, {}, 3) is None
+    assert asked == ["a", "b", "c"]
+    assert first_answer([], "sample_batch", None, None) is None

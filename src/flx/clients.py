@@ -24,6 +24,7 @@ from torch import Tensor
 
 from flx.context import ClientContext, Core
 from flx.faults import all_finite
+from flx.hooks import first_answer
 from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 from flx.sampling import derive_seed
 
@@ -79,11 +80,8 @@ class ClientRunner:
         """Client ``client``'s rows at step ``k``: the first part's ``sample_batch``, else its default stream's next
         (which advances only when used)."""
         client.step = k
-        for part in self.fed.parts_with("sample_batch"):
-            rows = part.sample_batch(self.fed, client)
-            if rows is not None:
-                return rows
-        return next(stream)
+        rows = first_answer(self.fed.parts_with("sample_batch"), "sample_batch", self.fed, client)
+        return next(stream) if rows is None else rows
 
     def train_client(self, cid: int) -> Tensor | None:
         """Local training of one client alone, from the global model; adds its weighted model to the round's
@@ -130,13 +128,12 @@ class ClientRunner:
     def local_update(self, client: ClientContext) -> Tensor:
         """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""
         fed = self.fed
-        for part in fed.parts_with("local_update"):
-            loss = part.local_update(fed, client)
-            if loss is not None:  # on the net's device, as the default steps' loss is
-                if isinstance(loss, Tensor):
-                    return loss.detach().to(torch.float64).reshape(())
-                return torch.full((), float(loss), dtype=torch.float64, device=fed.params[0].device)
-        return self.local_steps(client) / max(client.num_steps, 1)
+        loss = first_answer(fed.parts_with("local_update"), "local_update", fed, client)
+        if loss is None:
+            return self.local_steps(client) / max(client.num_steps, 1)
+        if isinstance(loss, Tensor):  # on the net's device, as the default steps' loss is
+            return loss.detach().to(torch.float64).reshape(())
+        return torch.full((), float(loss), dtype=torch.float64, device=fed.params[0].device)
 
     def local_steps(self, client: ClientContext) -> Tensor:
         """``client.num_steps`` SGD steps of the net on the client's minibatches; returns the sum of their losses.
@@ -162,11 +159,7 @@ class ClientRunner:
         with fed.step_context():
             for xb, yb in self._batches(client, hooked):  # exactly client.num_steps minibatches
                 zero_grad()
-                loss = None
-                for part in rules:  # the first part that computes the step's gradient itself (local DP-SGD)
-                    loss = part.local_grad(fed, client)
-                    if loss is not None:
-                        break
+                loss = first_answer(rules, "local_grad", fed, client)  # a part's own gradient (local DP-SGD)
                 if loss is None:
                     outputs = net(xb)
                     loss = loss_fn(outputs, yb)

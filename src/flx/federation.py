@@ -32,7 +32,7 @@ from flx.aggregation import ReduceFn
 from flx.clients import Sequential
 from flx.context import ClientContext, ClientData, FederationConfig, FederationSpec, Round
 from flx.faults import DivergenceWatch, RoundFaults, check_global_model, gather_faults, judge, knob, reference_rows
-from flx.hooks import HOOKS, FederatedCallback, overrides
+from flx.hooks import HOOKS, FederatedCallback, first_answer, overrides
 from flx.round_buffer import COUNTERS
 from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, number_copies, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer
@@ -111,11 +111,10 @@ class Federation(PartServices):
     def sample(self, round_idx: int) -> list[int]:
         """The round's cohort (with repeats if a sampling part draws with replacement)."""
         rng = np.random.default_rng(derive_seed(self.cfg.seed, round_idx, SAMPLE_TAG))
-        for part in self._hooked["sample_clients"]:
-            cohort = part.sample_clients(self, round_idx, rng)
-            if cohort is not None:
-                return [int(c) for c in cohort]
-        return uniform_cohort(self.num_clients, self.cfg.clients_per_round, rng)
+        cohort = first_answer(self._hooked["sample_clients"], "sample_clients", self, round_idx, rng)
+        if cohort is None:
+            return uniform_cohort(self.num_clients, self.cfg.clients_per_round, rng)
+        return [int(c) for c in cohort]
 
     def begin_round(self, round_idx: int) -> Round:
         """Plans the round (:class:`~flx.context.Round`): samples and shards the cohort, snapshots the global model,

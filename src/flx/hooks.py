@@ -45,7 +45,7 @@ model and undoes it on exit (:meth:`flx.federation.Federation.personalize`); the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -227,6 +227,17 @@ class FederatedCallback(Callback):
         """Evaluation: a context manager that makes the net client ``cid``'s personalised model and restores it on
         exit, or None (the client is evaluated with the global model)."""
         return None
+
+
+def first_answer(parts: Iterable[FederatedCallback], hook: str, *args: Any) -> Any:
+    """The first non-None answer of ``parts`` (in part order) to ``hook(*args)``, or None if none answers; the later
+    parts are not asked. The rule of the hooks one part answers for all (``sample_clients``, ``local_update``,
+    ``sample_batch``, ``local_grad``, ``cohort_grad``, ``release_loss``)."""
+    for part in parts:
+        answer = getattr(part, hook)(*args)
+        if answer is not None:
+            return answer
+    return None
 
 
 def overrides(part: FederatedCallback, hook: str) -> bool:

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from flx.clients import ClientRunner
 from flx.context import ClientContext, Cohort, Core
 from flx.errors import ConfigError
-from flx.hooks import FederatedCallback, overrides
+from flx.hooks import FederatedCallback, first_answer, overrides
 from flx.local_sgd import sgd_update
 
 # per-step client hooks and the cohort hooks that stand for them; the whole-run replacements have none
@@ -149,11 +149,7 @@ class Stacked(ClientRunner):
                 own = [self.step_rows(client, k, stream) for client, stream in zip(clients, streams)]
                 cohort.step, cohort.sizes = k, [len(r) for r in own]
                 rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
-                ruled = None
-                for part in rules:  # the first part that computes the step's gradients itself (local DP-SGD)
-                    ruled = part.cohort_grad(fed, cohort)
-                    if ruled is not None:
-                        break
+                ruled = first_answer(rules, "cohort_grad", fed, cohort)  # a part's own gradients (local DP-SGD)
                 # (a part's gradients come shaped like params; the leaves take their transposed views)
                 if ruled is None:
                     out = forward(leaves, fed.data.x[rows], cohort.sizes)

@@ -181,6 +181,24 @@ def test_the_ledger_is_per_client_and_epsilon_is_the_worst() -> None:
     assert worst == max(ahead.values()) and ahead[cid] == worst
 
 
+@pytest.mark.parametrize("sampling, accountant", [("poisson", "pld"), ("poisson", "rdp"), ("fixed", "rdp")])
+def test_the_worst_client_is_among_those_no_other_dominates(sampling: str, accountant: str) -> None:
+    """The run's epsilon and the budget's look ahead ask the accountant only for clients that no other client
+    dominates (a q_i and steps both at least theirs; with fixed batches the same (n_i, B)), and give the largest
+    epsilon over every client's own, and the client it belongs to."""
+    sizes, b, k = [5, 8, 8, 12, 20, 33, 33, 50, 80, 120], 8, 3
+    dp = _dp(noise_multiplier=1.1, sampling=sampling, accountant=accountant)
+    fed = make_fed(linear(), toy_data(sizes), [dp], clients_per_round=4, local_steps=k, batch_size=b)
+    run_rounds(fed, 6)
+    every = {c: dp.client_epsilon(c) for c in dp.steps}
+    assert dp.spent() == max(every.values())
+    ahead = {c: dp.client_epsilon(c, dp.steps.get(c, 0) + k) for c in range(len(sizes))}
+    privacy.epsilon.cache_clear()
+    worst, cid = dp.next_round_worst()
+    assert worst == max(ahead.values()) and ahead[cid] == worst
+    assert privacy.epsilon.cache_info().misses < len(set(ahead.values()))  # fewer calls than distinct answers
+
+
 def test_calibration_covers_the_worst_client() -> None:
     """target_epsilon 4 over 5 rounds of 4 steps: the calibrated sigma keeps every client (the smallest, q = 1, is the
     worst) within 4 if it joins every round, and 0.2% less noise would not."""

@@ -47,9 +47,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx import privacy
-from flx.clipping import CLIP_MODES, clip_factors
+from flx.clipping import clip_factors
 from flx.errors import ConfigError, bad_value
-from flx.parts.dp_budget import Budgeted
+from flx.parts.dp_budget import Budgeted, BudgetParams
 from flx.sampling import derive_seed
 
 if TYPE_CHECKING:
@@ -60,16 +60,10 @@ _COUNT, _BELOW = "privacy/count", "privacy/below"  # clients aggregated; clients
 
 
 @dataclass(frozen=True)
-class PrivacyParams:
+class PrivacyParams(BudgetParams):
     """The ``privacy.*`` keys (``configs/privacy/central.yaml``)."""
 
     clip: float = 0.1
-    clip_mode: str = "flat"
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float = 1e-5
-    sampling: str = "poisson"
-    accountant: str = "pld"
     adaptive: bool = False
     target_quantile: float = 0.5
     clip_lr: float = 0.2
@@ -84,11 +78,7 @@ class CentralDP(Budgeted):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PrivacyParams(**params)
-        if not p.clip > 0:
-            raise bad_value("privacy.clip", p.clip, "the L2 clip of a client's update, > 0")
-        if p.clip_mode not in CLIP_MODES:
-            raise bad_value("privacy.clip_mode", p.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
-        privacy.check_budget_keys(p.noise_multiplier, p.target_epsilon, p.delta, p.sampling, p.accountant)
+        p.check("a client's update")
         if not 0 < p.target_quantile < 1:
             raise bad_value("privacy.target_quantile", p.target_quantile, "in (0, 1)")
         if not p.clip_lr > 0:

@@ -1,22 +1,49 @@
-"""What the two privacy parts share after each round: ``privacy/epsilon`` in the logs, the budget's stop, epsilon in
-the final line (:class:`Budgeted`; :mod:`flx.parts.central_dp`, :mod:`flx.parts.local_dp`)."""
+"""What the two privacy parts share: their common ``privacy.*`` keys and their checks (:class:`BudgetParams`), and
+after each round ``privacy/epsilon`` in the logs, the budget's stop, epsilon in the final line (:class:`Budgeted`;
+:mod:`flx.parts.central_dp`, :mod:`flx.parts.local_dp`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from flx import privacy
+from flx.clipping import CLIP_MODES
+from flx.errors import bad_value
 from flx.hooks import FederatedCallback
+
+
+@dataclass(frozen=True)
+class BudgetParams:
+    """The ``privacy.*`` keys both modes have: the clip (what it bounds differs: a client's update, or a row's
+    gradient), the noise or the budget that calibrates it, and the accountant's settings."""
+
+    clip: float = 1.0
+    clip_mode: str = "flat"
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    sampling: str = "poisson"
+    accountant: str = "pld"
+
+    def check(self, clipped: str) -> None:
+        """One line for a bad value (:class:`flx.errors.ConfigError`); ``clipped`` says what the clip bounds."""
+        if not self.clip > 0:
+            raise bad_value("privacy.clip", self.clip, f"the L2 clip of {clipped}, > 0")
+        if self.clip_mode not in CLIP_MODES:
+            raise bad_value("privacy.clip_mode", self.clip_mode, f"allowed: {', '.join(CLIP_MODES)}")
+        keys = (self.noise_multiplier, self.target_epsilon, self.delta, self.sampling, self.accountant)
+        privacy.check_budget_keys(*keys)
 
 
 class Budgeted(FederatedCallback):
     """A privacy part with a ledger: logs :meth:`logged` every round and, with ``params.target_epsilon`` set, stops
-    the run (one line) before a round whose :meth:`upcoming` epsilon would pass it. Subclasses keep ``params``
-    (``target_epsilon``, ``delta``) and ``rounds`` (the rounds accounted) and give :meth:`spent`."""
+    the run (one line) before a round whose :meth:`upcoming` epsilon would pass it. Subclasses keep ``params`` (a
+    :class:`BudgetParams`) and ``rounds`` (the rounds accounted) and give :meth:`spent`."""
 
-    params: Any
+    params: BudgetParams
     rounds: int
 
     def spent(self) -> float:

@@ -51,7 +51,7 @@ from flx import simplex
 from flx.autodiff import loss_at
 from flx.errors import bad_value
 from flx.evaluation import client_losses
-from flx.hooks import FederatedCallback
+from flx.hooks import FederatedCallback, first_answer
 from flx.parts import lambda_report
 from flx.sampling import derive_seed
 
@@ -232,9 +232,7 @@ class LambdaSampling(FederatedCallback):
         releasers = fed.parts_with("release_loss")  # a privacy part: the clients release noised losses
         try:
             for cid in eval_set:
-                released = next(
-                    (v for v in (p.release_loss(fed, cid, values, round_idx) for p in releasers) if v is not None), None
-                )
+                released = first_answer(releasers, "release_loss", fed, cid, values, round_idx)
                 if released is not None:
                     out[cid] = released
                     continue
