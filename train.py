@@ -73,9 +73,9 @@ JOB = os.path.splitext(os.path.basename(__file__))[0]  # Hydra's job name (hydra
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENOTDIR)
 
 
-def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
-    """One line on stderr (from the first process of each console only: under DDP every rank fails alike) and exit
-    ``status``.
+def _fail(err: BaseException, status: int = 2, say: bool = True) -> dict[str, Any]:
+    """One line on stderr (from the first process of each console only: under DDP every rank fails alike; ``say``
+    false: the run printed it already) and exit ``status``.
 
     In a ``-m`` sweep the line names the job and the sweep goes on: the job returns ``{"status": status, ...}``
     (a submitit job to the launching process, which reports it), and the process that ran the sweep exits with the
@@ -84,7 +84,7 @@ def _fail(err: BaseException, status: int = 2) -> dict[str, Any]:
 
     label = job_label()
     line = f"flx: error: {label + ': ' if label else ''}{err}"
-    if first_on_console():
+    if say and first_on_console():
         print(line, file=sys.stderr, flush=True)
     if sweep_job() is None:
         sys.exit(status)
@@ -117,6 +117,7 @@ def _run_claimed(cfg: DictConfig) -> dict[str, Any]:
 
     prefetch.start(cfg)  # the data load runs while the next line imports torch, Lightning and flx (~4 s)
     from flx.faults import RunFailure
+    from flx.hooks import RoundRefused
     from flx.launch import as_single_run
     from flx.run import train  # after Hydra has parsed the command line: keeps `--help` fast
 
@@ -132,6 +133,8 @@ def _run_claimed(cfg: DictConfig) -> dict[str, Any]:
         return _fail(ConfigError(one_line(err)))
     except RunFailure as err:  # diverged, or a client fault with fault.policy=stop: not a result
         return _fail(err, status=3)
+    except RoundRefused as refusal:  # a spent privacy budget: tested and reported; its line printed when it stopped
+        return _fail(refusal, status=refusal.status, say=False)
     except OSError as err:
         if err.errno not in DISK_ERRORS:
             raise

@@ -32,20 +32,23 @@ def present(metrics: Mapping[str, Any], names: Sequence[str], splits: Sequence[s
 
 
 def final_line(
-    metrics: Mapping[str, float], names: Sequence[str], job: str | None = None, extra: Mapping[str, float] | None = None
+    metrics: Mapping[str, float],
+    names: Sequence[str],
+    job: str | None = None,
+    extra: Mapping[str, float | str] | None = None,
 ) -> str | None:
     """``final test_<name>=<value> ...`` over the headline names the test logged, then the ``extra`` values (the
-    parts' final values: ``epsilon``), 4 decimals, then ``for <job>`` in a sweep (``job``:
+    parts' final values: ``epsilon``, ``private``), numbers with 4 decimals, then ``for <job>`` in a sweep (``job``:
     :func:`flx.launch.job_label`); None when the test logged none of the names.
 
     >>> final_line({"test/acc": 0.91234, "test/auroc": 0.8, "test/loss": 0.3}, ("acc", "auroc"), "job 1 (algo.lr=0.1)")
     'final test_acc=0.9123 test_auroc=0.8000 for job 1 (algo.lr=0.1)'
-    >>> final_line({"test/acc": 0.91234}, ("acc",), extra={"epsilon": 7.98765})
-    'final test_acc=0.9123 epsilon=7.9877'
+    >>> final_line({"test/acc": 0.91234}, ("acc",), extra={"epsilon": 7.98765, "private": "all"})
+    'final test_acc=0.9123 epsilon=7.9877 private=all'
     """
     values = {key.replace("/", "_"): value for key, value in present(metrics, names, ("test",)).items()}
     if not values:
         return None
     values |= dict(extra or {})
-    line = "final " + " ".join(f"{key}={value:.4f}" for key, value in values.items())
+    line = "final " + " ".join(f"{key}={value if isinstance(value, str) else f'{value:.4f}'}" for key, value in values.items())
     return f"{line} for {job}" if job else line

@@ -32,7 +32,7 @@ from flx.aggregation import ReduceFn
 from flx.clients import Sequential
 from flx.context import ClientContext, ClientData, FederationConfig, FederationSpec, Round
 from flx.faults import DivergenceWatch, RoundFaults, check_global_model, gather_faults, judge, knob, reference_rows
-from flx.hooks import HOOKS, FederatedCallback, first_answer, overrides
+from flx.hooks import HOOKS, FederatedCallback, RoundRefused, first_answer, overrides
 from flx.round_buffer import COUNTERS
 from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, number_copies, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer
@@ -116,14 +116,31 @@ class Federation(PartServices):
             return uniform_cohort(self.num_clients, self.cfg.clients_per_round, rng)
         return [int(c) for c in cohort]
 
+    def _drawn(self, rnd: Round) -> Round:
+        """``rnd`` with its draws: the distinct clients (``cohort``) and how often each was drawn."""
+        rnd.draws = Counter(self.sample(rnd.round))
+        rnd.cohort = tuple(sorted(rnd.draws))
+        rnd.multiplicity = tuple(rnd.draws[c] for c in rnd.cohort)
+        return rnd
+
+    def refusal(self, round_idx: int) -> str | None:
+        """Why round ``round_idx`` must not run (``refuse_round``), from the draws :meth:`begin_round` will make (the
+        sampling is a function of the seed and the server state); None: it runs. Asked at the end of the round
+        before it, so that the run stops there, with that round's checkpoint."""
+        if not self._hooked["refuse_round"]:
+            return None
+        rnd = self._drawn(Round(round_idx, self.rank, self.world_size))
+        return first_answer(self._hooked["refuse_round"], "refuse_round", self, rnd)
+
     def begin_round(self, round_idx: int) -> Round:
         """Plans the round (:class:`~flx.context.Round`): samples and shards the cohort, snapshots the global model,
         runs ``on_round_start``, then freezes the plan."""
         check = self.system.check_width if self.system is not None else None
-        rnd = self.rnd = Round(round_idx, self.rank, self.world_size, check_width=check)
-        rnd.draws = Counter(self.sample(round_idx))  # the distinct clients and how often each was drawn
-        rnd.cohort = tuple(sorted(rnd.draws))
-        rnd.multiplicity = tuple(rnd.draws[c] for c in rnd.cohort)
+        rnd = self._drawn(Round(round_idx, self.rank, self.world_size, check_width=check))
+        refusal = first_answer(self._hooked["refuse_round"], "refuse_round", self, rnd)
+        if refusal is not None:  # before anything of the round runs (its snapshot, on_round_start, the clients)
+            raise RoundRefused(refusal)
+        self.rnd = rnd
         rnd.weights = {c: self.base_weight(c, 1) for c in rnd.cohort}
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
         # an empty batch and add nothing to the aggregate

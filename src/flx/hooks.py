@@ -20,6 +20,8 @@ Server side (run identically on every rank):
 
 =====================  ==========================================================================
 ``sample_clients``     choose the round's cohort; the first part returning non-None wins
+``refuse_round``       the cohort is drawn, nothing trained: why the round must not run (a privacy budget),
+                       one line; the first answer stops the run before the round (:class:`RoundRefused`)
 ``on_round_start``     after sampling, before any client trains (broadcast buffers, draw t', ...)
 ``on_server_step``     after the one collective reduce, before the server optimizer (edit the mean)
 ``on_round_end``       after the server step; the net holds the new global model
@@ -63,6 +65,7 @@ PERSONAL_HEADLINE = ("personal_acc_mean", "personal_mse_mean")
 HOOKS = (
     "on_attach",
     "sample_clients",
+    "refuse_round",
     "on_round_start",
     "on_server_step",
     "on_round_end",
@@ -111,8 +114,9 @@ class FederatedCallback(Callback):
     # (the local one, the round's global one), never the client's rows: FedProx's proximal term, a prox operator
     data_free_steps: bool = False
 
-    def final_values(self) -> dict[str, float]:
-        """Values the run's final line ends with (``epsilon=7.98``), after the test's headline metrics."""
+    def final_values(self) -> dict[str, float | str]:
+        """Values the run's final line ends with (``epsilon=7.9800 private=all``), after the test's headline metrics;
+        W&B gets them as ``final/<key>`` in the run's last row (its summary)."""
         return {}
 
     def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
@@ -158,6 +162,13 @@ class FederatedCallback(Callback):
 
     def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:
         """Returns the cohort (client ids; repeats allowed and count as multiplicity), or None to defer."""
+        return None
+
+    def refuse_round(self, fed: FederationView, rnd: Round) -> str | None:
+        """Server, every rank, before ``on_round_start``: the round's draws are known (``rnd.draws``, ``rnd.cohort``)
+        and nothing of it has run. Returns why the round must not run (one line, e.g. a privacy budget it would pass),
+        or None. The first answer stops the run before the round: :class:`RoundRefused`, exit status
+        :data:`RoundRefused.status`."""
         return None
 
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
@@ -227,6 +238,14 @@ class FederatedCallback(Callback):
         """Evaluation: a context manager that makes the net client ``cid``'s personalised model and restores it on
         exit, or None (the client is evaluated with the global model)."""
         return None
+
+
+class RoundRefused(Exception):
+    """A part refused the next round (:meth:`FederatedCallback.refuse_round`): the run ends before it, with the
+    rounds already run tested as usual, its one line and exit status :attr:`status` (distinct from bad input, 2, and
+    a failed run, 3; a requeued job that meets it is not requeued again)."""
+
+    status = 4
 
 
 def first_answer(parts: Iterable[FederatedCallback], hook: str, *args: Any) -> Any:

@@ -20,6 +20,7 @@ Tested against Lightning 2.6 (pinned in ``pyproject.toml``).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from typing_extensions import override
 
 from flx import signals
 from flx.datamodules.round_loader import RoundLoader
+from flx.hooks import RoundRefused
+from flx.launch import expect_exit
 
 if TYPE_CHECKING:
     from flx.federation import Federation
@@ -65,6 +68,7 @@ class FederatedFitLoop(_FitLoop):
         self.client_limit = client_limit
         self.signal = 0  # rank 0's signal, taken by every rank (flx.signals); the run stops on it
         self.clock: float | None = None  # rank 0's time.monotonic() at the last round boundary, the same on every rank
+        self.refused: RoundRefused | None = None  # a part refused the next round (a privacy budget): fit ended there
 
     @override
     def on_run_start(self) -> None:
@@ -79,6 +83,8 @@ class FederatedFitLoop(_FitLoop):
         # after the round's validation, before its epoch-end hooks: RoundCheckpoint saves the round when it is set
         if self._take_signal():
             signals.stopping(signals.Stop(self.signal, rounds=self.trainer.current_epoch + 1))
+        elif self.trainer.current_epoch + 1 < (self.trainer.max_epochs or 0):
+            self._look_ahead(_federation(self.trainer))
         super().on_advance_end()
         # the round's row (FederatedModule.log_round, joined by what Lightning logged at the round's end) is written
         # now, whether or not Lightning had a row of its own to write
@@ -102,10 +108,30 @@ class FederatedFitLoop(_FitLoop):
         loader = self._combined_loader.flattened[0] if self._combined_loader is not None else None
         if not isinstance(loader, RoundLoader):
             raise TypeError("flx needs the train dataloader to be a flx.loop.RoundLoader (use FederatedDataModule)")
-        rnd = _federation(self.trainer).begin_round(self.trainer.current_epoch)
+        try:
+            rnd = _federation(self.trainer).begin_round(self.trainer.current_epoch)
+        except RoundRefused as refusal:  # every rank refuses alike (the same draws and ledger): fit ends before it
+            self._refuse(refusal)
+            raise StopIteration from None
         loader.clients = rnd.shard[: client_limit(self.limit, len(rnd.shard))]
         self.max_batches = 1
         super().on_advance_start()
+
+    def _look_ahead(self, fed: Federation) -> None:
+        """A part that refuses the next round stops the run now, so the epoch-end hooks save this round as a stop
+        (:class:`flx.callbacks.checkpoint.RoundCheckpoint`); the round a run starts with is asked in ``begin_round``."""
+        line = fed.refusal(self.trainer.current_epoch + 1)
+        if line is not None:
+            self._refuse(RoundRefused(line))
+
+    def _refuse(self, refusal: RoundRefused) -> None:
+        """Ends fit before the refused round (its epoch never starts: no hooks, no checkpoint of it); rank 0 says why
+        at once, and the other ranks' exit with its status is expected (:func:`flx.launch.expect_exit`)."""
+        self.refused = refusal
+        self.trainer.should_stop = True
+        expect_exit(RoundRefused.status)
+        if self.trainer.is_global_zero:
+            print(f"flx: {refusal}; exit status {RoundRefused.status}", file=sys.stderr, flush=True)
 
     @property
     def limit(self) -> int | float:

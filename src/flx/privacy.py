@@ -214,7 +214,7 @@ def update_noise(sigma: float, count_noise: float) -> float:
     (Andrew et al. 2021, Theorem 1). Needs :math:`2\\sigma_b > \\sigma`."""
     if not 2 * count_noise > sigma:
         raise ValueError(
-            f"privacy.count_noise={count_noise:g}: must exceed noise_multiplier / 2 = {sigma / 2:g} "
-            "(the clipped count would spend the whole budget)"
+            f"privacy.count_noise={count_noise:g}: must exceed noise_multiplier / 2 = {sigma / 2:g} (the clipped "
+            "count would spend the whole budget); raise it, or leave it null (the default, max(cohort / 20, sigma))"
         )
     return (sigma**-2 - (2 * count_noise) ** -2) ** -0.5

@@ -17,8 +17,9 @@ from flx.errors import bad_value
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed under ``cfg``: the model, the algorithm and its parts, the
-    server optimizer, the data and its partition, the seed, the task unless it is the default classification, and the
-    simulated system (``system``, whose clock the checkpoint continues) when there is one.
+    server optimizer, the data and its partition, the seed, the task unless it is the default classification, the
+    simulated system (``system``, whose clock the checkpoint continues) when there is one, and every ``privacy.*``
+    setting when the run is private (its ledger: adding, removing or changing privacy on resume is refused).
     Hyper-parameters that may change on resume (rounds, learning rates, evaluation) and where files live are not part
     of it. Plain types only (weights-only loadable)."""
 
@@ -37,6 +38,8 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     task |= {} if aggregator in (None, "mean") else {"algo.aggregator": aggregator}
     system = plain("system")  # the simulated devices and traces (the clock): only when set, likewise
     task |= {"system": system} if system else {}
+    private = plain("privacy")  # the ledger's settings: a private run continues only under the same (or not at all)
+    task |= {"privacy": private} if private else {}
     return {
         "model": plain("model"),
         "algo.name": plain("algo.name"),
@@ -100,9 +103,23 @@ def check_ckpt(cfg: DictConfig, path: str) -> None:
         raise bad_value("ckpt_path", path, "written by an older flx without a config fingerprint: cannot check it")
     mine, theirs = flatten(fingerprint(cfg)), flatten(moved_parts(saved))
     diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    if any(k.startswith("privacy.") for k in diff):
+        raise bad_value("ckpt_path", path, _privacy_change(mine, theirs))
     if diff:
         shown = "; ".join(
             f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in diff[:2]
         )
         more = f" (and {len(diff) - 2} more)" if len(diff) > 2 else ""
         raise bad_value("ckpt_path", path, f"written for another run: {shown}{more}; resume with the same settings")
+
+
+def _privacy_change(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Why a checkpoint cannot continue under other privacy settings: its rounds were (not) private, and a ledger holds
+    only for the settings it was kept under."""
+    keys = [k for k in sorted(set(mine) | set(theirs)) if k.startswith("privacy.") and mine.get(k) != theirs.get(k)]
+    if not any(k.startswith("privacy.") for k in theirs):
+        return "its rounds ran without privacy: a private run cannot continue them (start a new run)"
+    if not any(k.startswith("privacy.") for k in mine):
+        return "its rounds ran under privacy: continue it with the same privacy=... settings, or start a new run"
+    shown = "; ".join(f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in keys[:2])
+    return f"its privacy ledger was kept under other settings: {shown}; resume with the same privacy settings"

@@ -53,7 +53,7 @@ from flx.systems.simulator import LatencySimulator
 from flx.tasks import Classification, Task
 from flx.threads import AUTO, by_work, startup_line, step_flops
 from flx.threads import resolve as resolve_threads
-from flx.wandb_logging import WandbLogger, WandbRun, describe_run, finish, resume_runs
+from flx.wandb_logging import WandbLogger, WandbRun, describe_run, finish, log_wandb, resume_runs
 
 # flx drives local optimizers itself: Lightning's notice that the module has none is expected, not a problem;
 # the pytree notice is Lightning's own deprecation, not the user's
@@ -293,7 +293,9 @@ def _tested_checkpoint(cfg: DictConfig, trainer: pl.Trainer) -> str | None:
     return best
 
 
-def print_final_line(metrics: dict[str, float], names: tuple[str, ...], extra: dict[str, float] | None = None) -> None:
+def print_final_line(
+    metrics: dict[str, float], names: tuple[str, ...], extra: dict[str, float | str] | None = None
+) -> None:
     """``final test_acc=0.9123 test_auroc=0.8812`` (the headline metrics of the test, then the parts' ``extra`` final
     values: ``epsilon=7.9812``), then ``for job <n> (<swept overrides>)`` in a ``-m`` sweep (:mod:`flx.console`,
     :func:`flx.launch.job_label`)."""
@@ -303,7 +305,9 @@ def print_final_line(metrics: dict[str, float], names: tuple[str, ...], extra: d
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``)."""
+    """Runs fit then test; returns the final metrics and prints the final line (``final test_acc=<value> ...``).
+    A run that a part ended before a round (:class:`flx.hooks.RoundRefused`, a spent privacy budget) is tested and
+    reported the same way, then raises it: ``train.py`` exits with its status."""
     ckpt_path = resume_path(cfg)
     dm, module, trainer = build(cfg)
     signals.stop_if_signalled(cfg.get("checkpoint"))  # a signal while the data loaded: stop before the first write
@@ -321,15 +325,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True
     )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
-    finish(trainer)  # W&B: the run's files are complete when train returns
+    extra = {k: v for cb in trainer.callbacks if isinstance(cb, FederatedCallback) for k, v in cb.final_values().items()}
+    log_wandb(trainer, {f"final/{k}": v for k, v in extra.items()})  # the run's summary says it too
+    refused = trainer.fit_loop.refused  # a part refused a round (a privacy budget): tested, then exit status 4
+    finish(trainer, exit_code=refused.status if refused else 0)  # W&B: the run's files are complete when train returns
     if trainer.is_global_zero:
-        extra = {
-            k: v for cb in trainer.callbacks if isinstance(cb, FederatedCallback) for k, v in cb.final_values().items()
-        }
         print_final_line(metrics, headline(module.task, trainer.callbacks), extra)
     # after a successful run only (a rank that failed must not wait here for the others): without it Gloo's worker
     # threads can outlive the interpreter and abort the process at exit ("terminate called without an active
     # exception", status -6)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if refused is not None:
+        raise refused
     return metrics

@@ -4,7 +4,9 @@ sequential, the per-client ledger, the worst-case calibration, and what it refus
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 
 from flx import privacy
 from flx.autodiff import row_grads
+from flx.context import Round
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback, check_uploads
@@ -26,6 +29,14 @@ from flx.sampling import derive_seed, fresh_rows
 
 def _dp(**kw) -> LocalDP:
     return LocalDP(**{"noise_multiplier": 1.0, **kw})
+
+
+def _drawn(round_idx: int, draws: dict[int, int]) -> Round:
+    """A planned round whose draws are ``draws`` (client: times drawn), as ``refuse_round`` sees it."""
+    rnd = Round(round_idx, 0, 1)
+    rnd.draws, rnd.cohort = Counter(draws), tuple(sorted(draws))
+    rnd.multiplicity = tuple(draws[c] for c in rnd.cohort)
+    return rnd
 
 
 def test_row_grads_are_each_rows_own_gradient() -> None:
@@ -161,7 +172,8 @@ def test_stacked_clients_give_the_sequential_model(mode: str) -> None:
 
 def test_the_ledger_is_per_client_and_epsilon_is_the_worst() -> None:
     """Clients of 10, 40 and 80 rows, B = 8, K = 3: each client's epsilon is the library's for its own
-    ``(q_i = min(1, B / n_i), steps_i)``; the run reports the largest; the budget check looks one round ahead."""
+    ``(q_i = min(1, B / n_i), steps_i)``; the run reports the largest; the budget's check of a round in which every
+    client is drawn adds K steps to each."""
     sizes, b, k, sigma = [10, 40, 80], 8, 3, 1.2
     dp = _dp(noise_multiplier=sigma, accountant="rdp")
     fed = make_fed(linear(), toy_data(sizes), [dp], clients_per_round=2, local_steps=k, batch_size=b)
@@ -173,12 +185,13 @@ def test_the_ledger_is_per_client_and_epsilon_is_the_worst() -> None:
     }
     assert {c: dp.client_epsilon(c) for c in dp.steps} == expected
     assert dp.spent() == max(expected.values())
-    worst, cid = dp.next_round_worst()
+    worst, how = dp.after(fed, _drawn(4, dict.fromkeys(range(3), 1)))
     ahead = {
         c: privacy.epsilon(privacy.Mechanism("poisson", sigma, n, min(b, n)), dp.steps.get(c, 0) + k, 1e-5, "rdp")
         for c, n in enumerate(sizes)
     }
-    assert worst == max(ahead.values()) and ahead[cid] == worst
+    cid = max(ahead, key=lambda c: (ahead[c], c))
+    assert worst == max(ahead.values()) and how == f"would spend {{eps}} for client {cid}"
 
 
 @pytest.mark.parametrize("sampling, accountant", [("poisson", "pld"), ("poisson", "rdp"), ("fixed", "rdp")])
@@ -194,7 +207,8 @@ def test_the_worst_client_is_among_those_no_other_dominates(sampling: str, accou
     assert dp.spent() == max(every.values())
     ahead = {c: dp.client_epsilon(c, dp.steps.get(c, 0) + k) for c in range(len(sizes))}
     privacy.epsilon.cache_clear()
-    worst, cid = dp.next_round_worst()
+    worst, how = dp.after(fed, _drawn(6, dict.fromkeys(range(len(sizes)), 1)))
+    cid = int(how.rsplit(" ", 1)[1])
     assert worst == max(ahead.values()) and ahead[cid] == worst
     assert privacy.epsilon.cache_info().misses < len(set(ahead.values()))  # fewer calls than distinct answers
 
@@ -209,6 +223,44 @@ def test_calibration_covers_the_worst_client() -> None:
     assert max(eps) <= 4.0 and eps[0] == max(eps)
     less = privacy.Mechanism("poisson", dp.sigma * 0.998, 6, 6)
     assert privacy.epsilon(less, k * rounds, 1e-5, "rdp") > 4.0
+
+
+@pytest.mark.parametrize("duplicates, runs", [("repeat", 3), ("multiplicity", 1)])
+def test_the_budget_counts_each_run_of_a_repeated_draw(duplicates: str, runs: int) -> None:
+    """A client drawn 3 times trains 3 times under ``algo.duplicates=repeat`` (3 K steps in its ledger), once under
+    ``multiplicity``: the round's check counts what the round will book, exactly, and refuses the round (one line)
+    when that passes the budget; a round within it runs and books the same steps."""
+    sizes, b, k = [10, 40], 8, 2
+    dp = _dp(accountant="rdp")
+    cfg = {"clients_per_round": 4, "local_steps": k, "batch_size": b, "duplicates": duplicates}
+    fed = make_fed(linear(), toy_data(sizes), [dp], **cfg)
+    rnd = _drawn(0, {0: 3, 1: 1})
+    expected = dp.client_epsilon(0, runs * k)
+    assert dp.after(fed, rnd) == (expected, "would spend {eps} for client 0")
+    dp.params = dataclasses.replace(dp.params, target_epsilon=expected * 0.999)
+    line = dp.refuse_round(fed, rnd)
+    assert line.startswith(f"privacy budget: round 1 would spend epsilon={expected:.4f} for client 0 > ")
+    assert dp.refuse_round(fed, _drawn(0, {1: 1})) is None  # client 1 alone stays within it
+    dp.on_round_start(fed, rnd)
+    assert dp.steps == {0: runs * k, 1: k}
+
+
+def test_calibration_plans_every_draw_a_client_can_get() -> None:
+    """With ``algo.duplicates=repeat`` a client can be drawn ``m`` times in a round (sampling with replacement): the
+    calibrated sigma keeps a client that is drawn ``m`` times in every one of the ``T`` rounds within the target, and
+    0.2% less noise would not; without repeats it plans one run a round."""
+    sizes, b, k, rounds, m = [6, 30], 8, 2, 3, 4
+    per_run = {}
+    for duplicates in ("repeat", "multiplicity"):
+        dp = LocalDP(target_epsilon=4.0, accountant="rdp")
+        cfg = {"clients_per_round": m, "local_steps": k, "batch_size": b, "rounds": rounds, "duplicates": duplicates}
+        make_fed(linear(), toy_data(sizes), [dp], **cfg)
+        runs = m if duplicates == "repeat" else 1
+        assert dp.client_epsilon(0, runs * k * rounds) <= 4.0
+        less = privacy.Mechanism("poisson", dp.sigma * 0.998, 6, 6)
+        assert privacy.epsilon(less, runs * k * rounds, 1e-5, "rdp") > 4.0
+        per_run[duplicates] = dp.sigma
+    assert per_run["repeat"] > per_run["multiplicity"]
 
 
 def test_composition_refuses_what_the_clipping_does_not_cover() -> None:

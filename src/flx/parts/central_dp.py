@@ -116,9 +116,12 @@ class CentralDP(Budgeted):
                 raise ConfigError(str(e)) from None
 
     def _count_noise(self) -> float:
-        """:math:`\\sigma_b`: ``privacy.count_noise``, default :math:`\\bar m / 20` (Andrew et al. 2021, Sec. 4)."""
+        """:math:`\\sigma_b`: ``privacy.count_noise``, default :math:`\\max(\\bar m / 20, \\sigma)`. Andrew et al.
+        (2021, Sec. 4) take :math:`\\bar m / 20` for cohorts of hundreds; Theorem 1 needs :math:`2\\sigma_b > \\sigma`,
+        which a small cohort's :math:`\\bar m / 20` misses for any :math:`\\sigma` above it, so the default is at least
+        :math:`\\sigma`, where the update's noise grows by :math:`(1 - 1/4)^{-1/2} \\approx 1.155` at most."""
         p = self.params
-        return float(p.count_noise) if p.count_noise is not None else self.mechanism.cohort / 20
+        return float(p.count_noise) if p.count_noise is not None else max(self.mechanism.cohort / 20, self.sigma)
 
     @override
     def metric_names(self) -> tuple[str, ...]:
@@ -197,10 +200,6 @@ class CentralDP(Budgeted):
         device = fed.params[0].device
         return [part.to(device) for part in z.split([*sizes, 1])]
 
-    @override
-    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
-        self.rounds = rnd.round + 1
-
     def spent(self, rounds: int | None = None) -> float:
         """:math:`\\varepsilon` at ``privacy.delta`` after ``rounds`` rounds (default: the rounds run so far)."""
         p = self.params
@@ -208,7 +207,7 @@ class CentralDP(Budgeted):
 
     # ------------------------------------------------------------------ budget, logging, checkpoint
     @override
-    def upcoming(self) -> tuple[float, str]:
+    def after(self, fed: FederationView, rnd: Round) -> tuple[float, str]:
         return self.spent(self.rounds + 1), "would spend {eps}"
 
     @override
@@ -217,7 +216,8 @@ class CentralDP(Budgeted):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"clip": self.clip, "sigma": self.sigma, "rounds": self.rounds, "epsilon": self.spent()}
+        ledger = {"rounds": self.rounds, "rounds_run": self.rounds_run, "epsilon": self.spent()}
+        return {"clip": self.clip, "sigma": self.sigma, **ledger}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,5 +228,6 @@ class CentralDP(Budgeted):
             float(state_dict["sigma"]),
             int(state_dict["rounds"]),
         )
+        self.rounds_run = int(state_dict.get("rounds_run", self.rounds))  # a checkpoint of before the key: as many
         if self.mechanism is not None:
             self.mechanism = dataclasses.replace(self.mechanism, noise_multiplier=self.sigma)

@@ -5,6 +5,7 @@ after each round ``privacy/epsilon`` in the logs, the budget's stop, epsilon in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -13,6 +14,9 @@ from flx import privacy
 from flx.clipping import CLIP_MODES
 from flx.errors import bad_value
 from flx.hooks import FederatedCallback
+
+if TYPE_CHECKING:
+    from flx.context import FederationView, Round
 
 
 @dataclass(frozen=True)
@@ -39,20 +43,22 @@ class BudgetParams:
 
 
 class Budgeted(FederatedCallback):
-    """A privacy part with a ledger: logs :meth:`logged` every round and, with ``params.target_epsilon`` set, stops
-    the run (one line) before a round whose :meth:`upcoming` epsilon would pass it. Subclasses keep ``params`` (a
-    :class:`BudgetParams`) and ``rounds`` (the rounds accounted) and give :meth:`spent`."""
+    """A privacy part with a ledger: logs :meth:`logged` every round and, with ``params.target_epsilon`` set, refuses
+    a round (:meth:`refuse_round`, before it runs: the first of a fresh run, of a resumed, requeued or extended one
+    alike) whose :meth:`after` epsilon would pass the budget. Subclasses keep ``params`` (a :class:`BudgetParams`) and
+    ``rounds`` (the rounds accounted) and give :meth:`spent` and :meth:`after`."""
 
     params: BudgetParams
     rounds: int
+    rounds_run: int = 0  # the rounds the run has run (rnd.round + 1 after each): all private when equal to rounds
 
     def spent(self) -> float:
         """:math:`\\varepsilon` at ``privacy.delta`` spent so far."""
         raise NotImplementedError
 
-    def upcoming(self) -> tuple[float, str]:
-        """The epsilon the next round would (or could) reach, and how the stop says so, a template with ``{eps}``:
-        ``"would spend {eps}"``, or ``"could spend {eps} for client 3"``."""
+    def after(self, fed: FederationView, rnd: Round) -> tuple[float, str]:
+        """The epsilon once the planned round ``rnd`` (its draws known) has run, and how the stop says so, a
+        template with ``{eps}``: ``"would spend {eps}"``, or ``"could spend {eps} for client 3"``."""
         raise NotImplementedError
 
     def logged(self) -> dict[str, float]:
@@ -64,22 +70,30 @@ class Budgeted(FederatedCallback):
         return ("privacy/epsilon",)
 
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log_dict(self.logged(), on_epoch=True)
+    def refuse_round(self, fed: FederationView, rnd: Round) -> str | None:
         budget = self.params.target_epsilon
-        if budget is None or trainer.should_stop or self.rounds >= (trainer.max_epochs or 0):
-            return
-        epsilon, how = self.upcoming()
-        if epsilon > budget:
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                print(
-                    f"flx: privacy budget: round {self.rounds + 1} {how.format(eps=f'epsilon={epsilon:.4f}')} > "
-                    f"privacy.target_epsilon={budget:g} (delta={self.params.delta:g}); stopped after round "
-                    f"{self.rounds} at epsilon={self.spent():.4f}",
-                    flush=True,
-                )
+        if budget is None:
+            return None
+        epsilon, how = self.after(fed, rnd)
+        if epsilon <= budget:
+            return None
+        return (
+            f"privacy budget: round {rnd.round + 1} {how.format(eps=f'epsilon={epsilon:.4f}')} > "
+            f"privacy.target_epsilon={budget:g} (delta={self.params.delta:g}): the budget is spent, the run ends with "
+            f"the {rnd.round} round(s) it ran (epsilon={self.spent():.4f})"
+        )
 
     @override
-    def final_values(self) -> dict[str, float]:
-        return {"epsilon": self.spent()}
+    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
+        self.rounds += 1
+        self.rounds_run = rnd.round + 1
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log_dict(self.logged(), on_epoch=True)
+
+    @override
+    def final_values(self) -> dict[str, float | str]:
+        """``epsilon`` and ``private``: ``all`` when the ledger holds every round the run ran, else ``k/n``."""
+        private = "all" if self.rounds == self.rounds_run else f"{self.rounds}/{self.rounds_run}"
+        return {"epsilon": self.spent(), "private": private}

@@ -85,6 +85,7 @@ class LocalDP(Budgeted):
         self.releases = 0  # loss releases a client may make in one round (DRFA's lambda step: 1)
         self.rounds = 0
         self.rounds_planned = 0  # algo.rounds: what target_epsilon is calibrated for
+        self.max_runs = 1  # the most times a client trains in one round (algo.duplicates=repeat: its draws)
         self._rows: Any = None  # flx.autodiff.row_grads, and its vmap over stacked clients
         self._stacked_rows: Any = None
         self._linear: LinearRows | None = None  # per-row clipping without per-row gradients, where the net allows
@@ -119,6 +120,8 @@ class LocalDP(Budgeted):
         epochs, b = cfg.local_epochs, cfg.batch_size
         self.plan = {i: cfg.local_steps if epochs is None else epochs * -(-n // b) for i, n in self.sizes.items()}
         self.rounds_planned = cfg.rounds
+        # the most runs a client makes in a round: each draw is one with algo.duplicates=repeat (at most the m draws)
+        self.max_runs = cfg.clients_per_round if cfg.duplicates == "repeat" else 1
 
     def _calibrate(self, parts: Sequence[FederatedCallback]) -> None:
         """The loss releases a client may make in a round (one if a part uploads losses through ``release_loss``);
@@ -160,14 +163,10 @@ class LocalDP(Budgeted):
     @override
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         """Every rank books the cohort's steps (the round plan is the same on all of them)."""
-        runs = rnd.draws if fed.cfg.duplicates == "repeat" else dict.fromkeys(rnd.cohort, 1)
+        runs = self._runs(fed, rnd)
         for cid in rnd.cohort:
             if cid in self.sizes:
                 self.steps[cid] = self.steps.get(cid, 0) + self.plan[cid] * runs[cid]
-
-    @override
-    def on_round_end(self, fed: FederationView, rnd: Round) -> None:
-        self.rounds = rnd.round + 1
 
     def client_epsilon(self, cid: int, steps: int | None = None) -> float:
         """Client ``cid``'s :math:`\\varepsilon` at ``privacy.delta`` after ``steps`` steps (default: its ledger)."""
@@ -179,9 +178,20 @@ class LocalDP(Budgeted):
         """:math:`\\varepsilon` of the worst-off row: the largest over the clients that have trained."""
         return self._worst(self.steps)[0]
 
-    def next_round_worst(self) -> tuple[float, int]:
-        """The largest :math:`\\varepsilon` any client would reach if it joined the next round, and that client."""
-        return self._worst({i: self.steps.get(i, 0) + self._per_round(i) for i in self.sizes})
+    def after(self, fed: FederationView, rnd: Round) -> tuple[float, str]:
+        """The largest :math:`\\varepsilon` a client reaches once round ``rnd`` has run: the cohort's clients with
+        their steps times the runs they were drawn for (``algo.duplicates=repeat``: each draw is a run), every client
+        with the loss releases it may make; and that client."""
+        runs = self._runs(fed, rnd)
+        steps = {i: self.steps.get(i, 0) + self.plan[i] * runs.get(i, 0) + self.releases for i in self.sizes}
+        epsilon, cid = self._worst(steps)
+        verb = "could" if self.releases else "would"  # a release: if the client is asked (DRFA's set U)
+        return epsilon, f"{verb} spend {{eps}} for client {cid}"
+
+    @staticmethod
+    def _runs(fed: FederationView, rnd: Round) -> dict[int, int]:
+        """How many times each client of ``rnd``'s cohort trains: its draws, or once (``algo.duplicates``)."""
+        return dict(rnd.draws) if fed.cfg.duplicates == "repeat" else dict.fromkeys(rnd.cohort, 1)
 
     def _worst(self, steps: dict[int, int]) -> tuple[float, int]:
         """The largest :math:`\\varepsilon` of the clients after ``steps`` (client: its steps), and that client (ties:
@@ -202,8 +212,9 @@ class LocalDP(Budgeted):
         return max(((privacy.epsilon(m, k, p.delta, p.accountant), c) for m, k, c in front), default=(0.0, -1))
 
     def _per_round(self, cid: int) -> int:
-        """The most events client ``cid`` adds to its ledger in one round: its steps and its loss releases."""
-        return self.plan[cid] + self.releases
+        """The most events client ``cid`` adds to its ledger in one round: its steps in each run and its loss
+        releases (what calibration plans for)."""
+        return self.plan[cid] * self.max_runs + self.releases
 
     # ------------------------------------------------------------------ released losses
     @override
@@ -317,19 +328,16 @@ class LocalDP(Budgeted):
 
     # ------------------------------------------------------------------ budget, logging, checkpoint
     @override
-    def upcoming(self) -> tuple[float, str]:
-        epsilon, cid = self.next_round_worst()
-        return epsilon, f"could spend {{eps}} for client {cid}"
-
-    @override
     def state_dict(self) -> dict[str, Any]:
-        return {"sigma": self.sigma, "rounds": self.rounds, "steps": dict(self.steps), "epsilon": self.spent()}
+        ledger = {"rounds": self.rounds, "rounds_run": self.rounds_run, "epsilon": self.spent()}
+        return {"sigma": self.sigma, "steps": dict(self.steps), **ledger}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes the ledger: every client's steps and the noise multiplier (epsilon is recomputed from them)."""
         self.sigma, self.rounds = float(state_dict["sigma"]), int(state_dict["rounds"])
         self.steps = {int(k): int(v) for k, v in state_dict["steps"].items()}
+        self.rounds_run = int(state_dict.get("rounds_run", self.rounds))  # a checkpoint of before the key: as many
 
 
 def _call(net: nn.Module, state: dict[str, Tensor], x: Tensor) -> Tensor:
