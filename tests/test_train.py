@@ -20,7 +20,7 @@ from sklearn.metrics import roc_auc_score
 
 from flx.config import precheck
 from flx.errors import ConfigError
-from flx.hooks import FederatedCallback
+from flx.hooks import FederatedCallback, RoundRefused
 from flx.run import build, train
 from flx.state import ClientStateStore
 
@@ -723,25 +723,30 @@ def test_local_privacy_command_spends_at_most_its_target(tmp_path: Path) -> None
 
 
 def test_local_privacy_budget_stops_before_a_client_could_exceed_it(tmp_path: Path, capsys) -> None:
-    """noise_multiplier 1 with a budget: the run stops after the last round in which no client could pass it."""
-    train(compose(tmp_path, *LOCAL_DP, "algo.rounds=8", "privacy.target_epsilon=3"))
-    out = capsys.readouterr().out
+    """noise_multiplier 1 with a budget: the run stops before the first round in which a drawn client would pass it,
+    with one line (stderr), and ``train`` raises the refusal (exit status 4) once the run is tested."""
+    with pytest.raises(RoundRefused):
+        train(compose(tmp_path, *LOCAL_DP, "algo.rounds=8", "privacy.target_epsilon=3"))
+    err = capsys.readouterr().err
     (state,) = [v for k, v in _final(tmp_path)["callbacks"].items() if "LocalDP" in k]
-    assert "flx: privacy budget: round" in out and "> privacy.target_epsilon=3 (delta=1e-05)" in out
+    assert "flx: privacy budget: round" in err and "> privacy.target_epsilon=3 (delta=1e-05)" in err
     assert 0 < state["rounds"] < 8 and state["epsilon"] <= 3
 
 
 def test_privacy_budget_stops_before_the_round_that_would_exceed_it(tmp_path: Path, capsys) -> None:
     """noise_multiplier 1 with 6 clients, 3 expected a round, spends epsilon 5.84 after 3 rounds and 6.68 after 4: a
     budget of 6 stops the 6-round run after round 3 with one line, and the run ends as usual (tested, final line)."""
-    metrics = train(compose(tmp_path, *DP, "algo=fedprox", "algo.rounds=6", "privacy.target_epsilon=6"))
-    out = capsys.readouterr().out
+    with pytest.raises(RoundRefused):
+        train(compose(tmp_path, *DP, "algo=fedprox", "algo.rounds=6", "privacy.target_epsilon=6"))
+    out, err = capsys.readouterr()
     line = "flx: privacy budget: round 4 would spend epsilon=6.6"
-    assert line in out and "> privacy.target_epsilon=6 (delta=1e-05); stopped after round 3 at epsilon=5.84" in out
+    assert (
+        line in err and "> privacy.target_epsilon=6 (delta=1e-05): the budget is spent, the run ends with the 3 " in err
+    )
     ckpt = _final(tmp_path)
     (state,) = [v for k, v in ckpt["callbacks"].items() if "CentralDP" in k]
     assert ckpt["flx"]["round"] == 3 and state["rounds"] == 3 and state["epsilon"] <= 6
-    assert "test/acc" in metrics and out.strip().splitlines()[-1].endswith(f"epsilon={state['epsilon']:.4f}")
+    assert out.strip().splitlines()[-1].endswith(f"epsilon={state['epsilon']:.4f} private=all")
 
 
 @pytest.mark.parametrize("mode", ["central", "local"])

@@ -50,5 +50,7 @@ def final_line(
     if not values:
         return None
     values |= dict(extra or {})
-    line = "final " + " ".join(f"{key}={value if isinstance(value, str) else f'{value:.4f}'}" for key, value in values.items())
+    line = "final " + " ".join(
+        f"{key}={value if isinstance(value, str) else f'{value:.4f}'}" for key, value in values.items()
+    )
     return f"{line} for {job}" if job else line

@@ -208,6 +208,11 @@ def _with(mech: Mechanism, sigma: float) -> Mechanism:
     return Mechanism(mech.sampling, float(sigma), mech.num_clients, mech.cohort)
 
 
+MAX_RUNS_PER_ROUND = 10**4
+"""The largest ``privacy.runs_per_round`` (local DP's calibration): a client trains at most once per draw, and a round
+draws ``algo.clients_per_round`` clients."""
+
+
 def update_noise(sigma: float, count_noise: float) -> float:
     """:math:`\\sigma_\\Delta = (\\sigma^{-2} - (2\\sigma_b)^{-2})^{-1/2}`: the update's noise multiplier that, with the
     clipped-count release of noise ``count_noise`` (:math:`\\sigma_b`), costs one Gaussian of ``sigma``

@@ -325,7 +325,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True
     )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
-    extra = {k: v for cb in trainer.callbacks if isinstance(cb, FederatedCallback) for k, v in cb.final_values().items()}
+    extra = {
+        k: v for cb in trainer.callbacks if isinstance(cb, FederatedCallback) for k, v in cb.final_values().items()
+    }
     log_wandb(trainer, {f"final/{k}": v for k, v in extra.items()})  # the run's summary says it too
     refused = trainer.fit_loop.refused  # a part refused a round (a privacy budget): tested, then exit status 4
     finish(trainer, exit_code=refused.status if refused else 0)  # W&B: the run's files are complete when train returns

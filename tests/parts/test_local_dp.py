@@ -245,22 +245,17 @@ def test_the_budget_counts_each_run_of_a_repeated_draw(duplicates: str, runs: in
     assert dp.steps == {0: runs * k, 1: k}
 
 
-def test_calibration_plans_every_draw_a_client_can_get() -> None:
-    """With ``algo.duplicates=repeat`` a client can be drawn ``m`` times in a round (sampling with replacement): the
-    calibrated sigma keeps a client that is drawn ``m`` times in every one of the ``T`` rounds within the target, and
-    0.2% less noise would not; without repeats it plans one run a round."""
-    sizes, b, k, rounds, m = [6, 30], 8, 2, 3, 4
-    per_run = {}
-    for duplicates in ("repeat", "multiplicity"):
-        dp = LocalDP(target_epsilon=4.0, accountant="rdp")
-        cfg = {"clients_per_round": m, "local_steps": k, "batch_size": b, "rounds": rounds, "duplicates": duplicates}
-        make_fed(linear(), toy_data(sizes), [dp], **cfg)
-        runs = m if duplicates == "repeat" else 1
-        assert dp.client_epsilon(0, runs * k * rounds) <= 4.0
-        less = privacy.Mechanism("poisson", dp.sigma * 0.998, 6, 6)
-        assert privacy.epsilon(less, runs * k * rounds, 1e-5, "rdp") > 4.0
-        per_run[duplicates] = dp.sigma
-    assert per_run["repeat"] > per_run["multiplicity"]
+@pytest.mark.parametrize("runs", [1, 3])
+def test_calibration_plans_runs_per_round(runs: int) -> None:
+    """``privacy.runs_per_round`` runs a round: the calibrated sigma keeps a client that trains that many times in
+    each of the ``T`` rounds within the target, and 0.2% less noise would not (the default plans one run a round)."""
+    sizes, b, k, rounds = [6, 30], 8, 2, 3
+    dp = LocalDP(target_epsilon=4.0, accountant="rdp", runs_per_round=runs)
+    cfg = {"clients_per_round": 2, "local_steps": k, "batch_size": b, "rounds": rounds, "duplicates": "repeat"}
+    make_fed(linear(), toy_data(sizes), [dp], **cfg)
+    assert dp.client_epsilon(0, runs * k * rounds) <= 4.0
+    less = privacy.Mechanism("poisson", dp.sigma * 0.998, 6, 6)
+    assert privacy.epsilon(less, runs * k * rounds, 1e-5, "rdp") > 4.0
 
 
 def test_composition_refuses_what_the_clipping_does_not_cover() -> None:
@@ -341,6 +336,8 @@ def test_a_batchnorm_net_is_refused() -> None:
         ({"noise_multiplier": None}, "privacy.noise_multiplier=None: set it"),
         ({"sampling": "fixed"}, "privacy.accountant=pld: fixed-size sampling"),
         ({"delta": 0.0}, "privacy.delta=0.0"),
+        ({"runs_per_round": 0}, "privacy.runs_per_round=0: an integer from 1 to 10000"),
+        ({"runs_per_round": "2"}, "privacy.runs_per_round='2': an integer from 1 to 10000"),
     ],
 )
 def test_bad_settings_are_one_line(kw, match) -> None:

@@ -25,8 +25,9 @@ GaussianDpEvent(sigma))`` (add or remove one row) or ``SampledWithoutReplacement
 GaussianDpEvent(sigma / 2))`` (replace one row; :mod:`flx.privacy`), one per step, composed over every step the
 client has taken in every round it joined (no amplification by the cohort sampling is claimed). ``privacy/epsilon``
 is the largest over the clients: the guarantee of the worst-off row. ``target_epsilon`` without ``noise_multiplier``
-calibrates :math:`\sigma` before round 1 for the worst case, a client that joins all ``algo.rounds`` rounds; with
-both, the run stops before a round in which some client could exceed it.
+calibrates :math:`\sigma` before round 1 for a client that trains once in each of the ``algo.rounds`` rounds. Either
+way, with ``target_epsilon`` every round is checked before it runs, with its real draws (a client drawn twice under
+``algo.duplicates=repeat`` trains twice): the run stops before a round in which some client would exceed it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class LocalParams(BudgetParams):
 
     clip: float = 1.0
     loss_clip: float = 5.0
+    runs_per_round: int = 1
 
 
 class LocalDP(Budgeted):
@@ -76,6 +78,10 @@ class LocalDP(Budgeted):
         p.check("one row's gradient")
         if not p.loss_clip > 0:
             raise bad_value("privacy.loss_clip", p.loss_clip, "the bound a row's released loss is clipped to, > 0")
+        runs = p.runs_per_round
+        if isinstance(runs, bool) or not isinstance(runs, int) or not 1 <= runs <= privacy.MAX_RUNS_PER_ROUND:
+            allowed = f"an integer from 1 to {privacy.MAX_RUNS_PER_ROUND} (the runs a round calibration plans a client)"
+            raise bad_value("privacy.runs_per_round", runs, allowed)
         self.sigma: float | None = p.noise_multiplier
         self.per_layer = p.clip_mode == "per_layer"
         self.batch_size = 0  # B
@@ -85,7 +91,6 @@ class LocalDP(Budgeted):
         self.releases = 0  # loss releases a client may make in one round (DRFA's lambda step: 1)
         self.rounds = 0
         self.rounds_planned = 0  # algo.rounds: what target_epsilon is calibrated for
-        self.max_runs = 1  # the most times a client trains in one round (algo.duplicates=repeat: its draws)
         self._rows: Any = None  # flx.autodiff.row_grads, and its vmap over stacked clients
         self._stacked_rows: Any = None
         self._linear: LinearRows | None = None  # per-row clipping without per-row gradients, where the net allows
@@ -120,13 +125,13 @@ class LocalDP(Budgeted):
         epochs, b = cfg.local_epochs, cfg.batch_size
         self.plan = {i: cfg.local_steps if epochs is None else epochs * -(-n // b) for i, n in self.sizes.items()}
         self.rounds_planned = cfg.rounds
-        # the most runs a client makes in a round: each draw is one with algo.duplicates=repeat (at most the m draws)
-        self.max_runs = cfg.clients_per_round if cfg.duplicates == "repeat" else 1
 
     def _calibrate(self, parts: Sequence[FederatedCallback]) -> None:
         """The loss releases a client may make in a round (one if a part uploads losses through ``release_loss``);
         the noise multiplier calibrated to ``target_epsilon`` when none is set: the smallest :math:`\\sigma` with
-        which every client stays within it after ``algo.rounds`` rounds of its steps and releases."""
+        which every client stays within it after ``algo.rounds`` rounds of :meth:`_per_round` events. Planning for the
+        most draws a client could get (all ``m`` of every round, with repeats) would drown any model in noise, so the
+        default plans one run a round; the budget's round check holds the target whatever the draws."""
         p = self.params
         self.releases = int(any(part.loss_uploads for part in parts))
         if self.sigma is not None:
@@ -212,9 +217,10 @@ class LocalDP(Budgeted):
         return max(((privacy.epsilon(m, k, p.delta, p.accountant), c) for m, k, c in front), default=(0.0, -1))
 
     def _per_round(self, cid: int) -> int:
-        """The most events client ``cid`` adds to its ledger in one round: its steps in each run and its loss
-        releases (what calibration plans for)."""
-        return self.plan[cid] * self.max_runs + self.releases
+        """The events calibration plans client ``cid`` to add to its ledger in each round: its steps in
+        ``privacy.runs_per_round`` runs, and its loss releases. A client drawn more often than that
+        (``algo.duplicates=repeat`` trains it once per draw) meets the round check, which counts its real draws."""
+        return self.plan[cid] * self.params.runs_per_round + self.releases
 
     # ------------------------------------------------------------------ released losses
     @override
