@@ -107,10 +107,12 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     """The Lightning Trainer with the federated loops installed; ``strategy=ddp`` maps to flx's DDP.
 
     Checkpoints are flx's round-boundary :class:`RoundCheckpoint` (``checkpoint.*``; ``checkpoint=null`` or
-    ``trainer.enable_checkpointing=false`` switch them off), written atomically by :class:`AtomicCheckpointIO`.
+    ``trainer.enable_checkpointing=false`` switch them off, and with them Lightning's own default checkpoint), written
+    atomically by :class:`AtomicCheckpointIO`.
     """
     callbacks = parts + _instantiate_group(cfg.get("callbacks"))
-    if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
+    checkpointing = cfg.get("checkpoint") is not None and bool(cfg.trainer.get("enable_checkpointing", True))
+    if checkpointing:
         callbacks.append(instantiate(cfg.checkpoint))
     if cfg.trainer.get("enable_progress_bar") is False:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
@@ -130,6 +132,7 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
             raise ConfigError(f"SLURM: {one_line(err)}") from None
     # limit_train_batches caps the clients per rank and round: the loop's, not Lightning's (a round is one batch)
     trainer_cfg = {k: v for k, v in cfg.trainer.items() if k not in ("process_group_backend", "limit_train_batches")}
+    trainer_cfg["enable_checkpointing"] = checkpointing  # off: no ModelCheckpoint of Lightning's own (epoch=*.ckpt)
     with cuda_determinism(cfg.trainer.get("deterministic")):  # before anything runs on the GPU (flx.determinism)
         trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
     return loop.install(trainer, client_limit=cfg.trainer.get("limit_train_batches"))
