@@ -46,7 +46,7 @@ from flx.launch import (
 from flx.models.build import net_from_config as build_net
 from flx.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
-from flx.resume import check_ckpt, fingerprint
+from flx.resume import check_ckpt, fingerprint, newest_round_file
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
@@ -270,7 +270,8 @@ def save_split(folder: str, dm: FederatedDataModule) -> None:
 
 def resume_path(cfg: DictConfig) -> str | None:
     """``ckpt_path``, with ``auto`` resolved: the run folder's ``checkpoints/last.ckpt`` if there is one (a requeued
-    or restarted job), else None (a fresh start). A SLURM job that was requeued (``SLURM_RESTART_COUNT`` > 0, e.g. a
+    or restarted job), else its newest intact round file (:func:`flx.resume.newest_round_file`), else None (a fresh
+    start). A SLURM job that was requeued (``SLURM_RESTART_COUNT`` > 0, e.g. a
     submitit sweep job after preemption) means ``auto`` when ``ckpt_path`` is null. The checkpoint must match the
     config (:func:`check_ckpt`)."""
     path = cfg.get("ckpt_path")
@@ -282,7 +283,7 @@ def resume_path(cfg: DictConfig) -> str | None:
         raise bad_value("ckpt_path", path, "needs checkpoint.dirpath (checkpoint is null)")
     last = os.path.join(str(cfg.checkpoint.dirpath), LAST)
     if not os.path.isfile(last):
-        return None
+        return newest_round_file(cfg, str(cfg.checkpoint.dirpath))
     check_ckpt(cfg, last)
     return last
 
