@@ -129,9 +129,9 @@ def newest_round_file(cfg: DictConfig, dirpath: str) -> str | None:
     """
     from flx.checkpoint_io import ROUND_FILE  # torch: only when a run resumes
 
-    names = sorted(f for f in os.listdir(dirpath) if ROUND_FILE.fullmatch(f)) if os.path.isdir(dirpath) else []
+    found = [m for f in os.listdir(dirpath) if (m := ROUND_FILE.fullmatch(f))] if os.path.isdir(dirpath) else []
     skipped = []
-    for name in reversed(names):  # round_NNNNN.ckpt: the name's order is the rounds'
+    for name in (m.group(0) for m in sorted(found, key=lambda m: -int(m.group(1)))):  # the newest round first
         path = os.path.join(dirpath, name)
         try:
             saved = read_fingerprint(path)
