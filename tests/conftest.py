@@ -1,7 +1,7 @@
 """Shared test setup: one CPU thread (2-core machines run small models faster without oversubscription); W&B offline,
 quiet and without its system-metrics sampler (a process probing the machine for each run), and a round checkpoint at
 every due round (FLX_CHECKPOINT_MIN_SECONDS=0), unless a test says otherwise; the default run shared by the
-crash-safety and SLURM tests."""
+crash-safety and SLURM tests, and a 2-round run shared by the resume and CSV tests."""
 
 from __future__ import annotations
 
@@ -35,3 +35,15 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproc
     proc = run(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+@pytest.fixture(scope="session")
+def two_rounds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default config run for 2 rounds (``round_00001.ckpt``, ``round_00002.ckpt``, ``last.ckpt``,
+    ``csv/metrics.csv``), once per session: the folder the resume and CSV tests copy, damage and continue."""
+    from runs import run
+
+    out = tmp_path_factory.mktemp("two_rounds")
+    proc = run(out, "algo.rounds=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -47,6 +48,13 @@ def assert_same_model(a: dict, b: dict) -> None:
     assert a["state_dict"].keys() == b["state_dict"].keys()
     for k in a["state_dict"]:
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+
+
+def trained_rounds(out: Path) -> list[int]:
+    """The round of each training row (one with ``train/loss``) of ``<out>/csv/metrics.csv``, in file order: a resumed
+    run's rows continue its rounds, and a round replayed after a resume appears twice."""
+    with open(out / "csv" / "metrics.csv", newline="") as f:
+        return [int(float(row["fl/round"])) for row in csv.DictReader(f) if row["train/loss"]]
 
 
 def flx_lines(stderr: str) -> list[str]:

@@ -76,7 +76,8 @@ def test_a_fresh_run_into_a_folder_with_files_names_the_folder_and_the_ways_on(t
         "ckpt_path=auto, start this one in a new folder, or set run.overwrite=true to move the old outputs aside "
         "(never deleted)"
     )
-    check_fresh(str(tmp_path), allow_overwrite=True)
+    with pytest.raises(ConfigError, match="is not a flx run folder"):  # run.overwrite=true: files flx did not write
+        check_fresh(str(tmp_path), allow_overwrite=True)
 
 
 def test_move_aside_renames_into_the_first_free_numbered_folder_and_keeps_every_byte(tmp_path: Path) -> None:
@@ -93,6 +94,71 @@ def test_move_aside_renames_into_the_first_free_numbered_folder_and_keeps_every_
     (tmp_path / "pm.pt").write_bytes(b"\x02")
     assert move_aside(str(tmp_path)) == str(tmp_path / "previous-2")
     assert (tmp_path / "previous-1" / "pm.pt").read_bytes() == b"\x00\x01"
+
+
+def checkout(folder: Path) -> Path:
+    """A fake git checkout (what ``hydra.run.dir=`` names when train.py runs from one): ``.git/``, ``src/``, files."""
+    for name in (".git/HEAD", "src/flx/__init__.py", "README.md"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(f"{name}\n")
+    return folder
+
+
+def test_run_overwrite_moves_only_a_flx_run_folder_holding_only_what_flx_writes(tmp_path: Path) -> None:
+    """A folder with ``.hydra/config.yaml`` and only flx's entries may be moved aside; a checkout (no saved config) or
+    a run folder that also holds other files is refused with one line, naming what flx did not write."""
+    run_dir = tmp_path / "run"
+    for name in (".hydra/config.yaml", "checkpoints/last.ckpt", "csv/metrics.csv", "curves.json", "lambda.json"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(name)
+    check_fresh(str(run_dir), allow_overwrite=True)
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as info:
+        check_fresh(str(run_dir), allow_overwrite=True)
+    assert str(info.value) == (
+        f"hydra.run.dir={run_dir}: also holds files flx did not write (notes.txt); run.overwrite=true moves only a flx "
+        "run's own outputs: start this run in a new folder"
+    )
+    repo = checkout(tmp_path / "repo")
+    with pytest.raises(ConfigError) as info:
+        check_fresh(str(repo), allow_overwrite=True)
+    assert str(info.value) == (
+        f"hydra.run.dir={repo}: is not a flx run folder (no .hydra/config.yaml); run.overwrite=true moves only a flx "
+        "run's own outputs: start this run in a new folder"
+    )
+
+
+def test_run_overwrite_never_moves_a_checkout(tmp_path: Path) -> None:
+    """``train.py hydra.run.dir=<checkout> run.overwrite=true``, the checkout holding a flx run's ``.hydra`` and
+    ``checkpoints`` too: one line naming ``.git`` and ``src``, exit 2, every file where it was, byte for byte."""
+    repo = checkout(tmp_path / "repo")
+    (repo / ".hydra").mkdir()
+    (repo / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (repo / "checkpoints").mkdir()
+    (repo / "checkpoints" / "last.ckpt").write_bytes(b"a checkpoint")
+    before = tree(repo)
+    proc = run(repo, "run.overwrite=true", "algo.rounds=1")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert flx_lines(proc.stderr) == [
+        f"flx: error: hydra.run.dir={repo}: also holds files flx did not write (.git, README.md, src); "
+        "run.overwrite=true moves only a flx run's own outputs: start this run in a new folder"
+    ]
+    assert tree(repo) == before
+
+
+def test_an_empty_run_dir_is_refused_and_moves_nothing(tmp_path: Path) -> None:
+    """``hydra.run.dir=`` (empty: the current folder, here a checkout train.py runs in) with ``run.overwrite=true``:
+    one line, exit 2, the checkout byte for byte as it was (it once moved the checkout into ``previous-1/``)."""
+    repo = checkout(tmp_path / "repo")
+    before = tree(repo)
+    cmd = [sys.executable, str(ROOT / "train.py"), "hydra.run.dir=", "run.overwrite=true", "algo.rounds=1"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300, env={**os.environ, **ENV})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"flx: error: hydra.run.dir='': empty is the current folder ({repo}), not a run folder; name a folder of its "
+        "own, or leave hydra.run.dir out for a new one"
+    ]
+    assert tree(repo) == before
 
 
 def test_a_fresh_runs_checkpoint_folder_elsewhere_must_be_empty(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:

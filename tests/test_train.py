@@ -119,6 +119,17 @@ def test_checkpoint_schedule_and_best_validation_round(tmp_path: Path) -> None:
     assert metrics["test/acc"] == pytest.approx(float(acc), abs=1e-6)
 
 
+@pytest.mark.parametrize("off", ["checkpoint=null", "trainer.enable_checkpointing=false"])
+def test_checkpoints_off_means_no_checkpoint_file_of_any_kind(off: str, tmp_path: Path) -> None:
+    """Neither flx's round files nor Lightning's own default checkpoint (``csv/checkpoints/epoch=0-step=1.ckpt``, which
+    ``checkpoint=null`` once left): the Trainer has no checkpoint callback and the run folder holds no ``.ckpt``."""
+    cfg = compose(tmp_path, *SMALL, "logger=csv", "algo.rounds=1", off)
+    _, _, trainer = build(cfg)
+    assert trainer.checkpoint_callbacks == []
+    train(cfg)
+    assert sorted(tmp_path.rglob("*.ckpt")) == [] and (tmp_path / "csv" / "metrics.csv").exists()
+
+
 def test_resume_from_a_mid_run_round_checkpoint(tmp_path: Path) -> None:
     """Checkpoints are written at every round boundary; resuming from round 3's equals the 6-round run."""
     # client state on disk: the resume, in another run folder, copies round 3's files into its own

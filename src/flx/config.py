@@ -148,14 +148,18 @@ def _check_launcher(overrides: Sequence[str]) -> None:
 
 
 def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
-    """The run folder (``hydra.run.dir``, else under ``paths.log_dir``) must be creatable: Hydra creates it before
-    the run starts, so a read-only or unwritable place is reported here, as one line.
+    """The run folder (``hydra.run.dir``, else under ``paths.log_dir``) must be named (not empty: the current folder)
+    and creatable: Hydra creates it before the run starts, so a read-only or unwritable place is reported here, as one
+    line.
 
     ``os.access`` is not asked: it says yes to root everywhere, also on ``/proc`` or a read-only mount. The nearest
     existing ancestor of the folder is probed instead (:func:`_probe_folder`), which leaves nothing behind."""
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
     log_dir = str(OmegaConf.select(cfg, "paths.log_dir"))
     key, path = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", log_dir)
+    if given and not path:  # the current folder: a run would write (run.overwrite=true: move) a checkout's
+        why = f"empty is the current folder ({os.getcwd()}), not a run folder"
+        raise bad_value(key, path, f"{why}; name a folder of its own, or leave hydra.run.dir out for a new one")
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

@@ -6,12 +6,14 @@ the crash. :class:`CSVLogger` appends instead: the earlier rows are kept, and ne
 Values logged for one step in several calls before the file is written (a round's counters, sent straight to the
 loggers by ``FederatedModule.log_round``, then Lightning's row of its epoch-end metrics) share one row.
 A round that was logged, then replayed after resuming from an earlier checkpoint, appears twice, with the same
-values (a resumed run recomputes it exactly).
+values (a resumed run recomputes it exactly). A file a kill cut in the middle of a row is first cut back to its last
+whole row (:func:`repair_torn`, with a warning): appended rows never glue onto a broken line.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from typing import Any
 
@@ -21,6 +23,23 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from typing_extensions import override
 
+log = logging.getLogger(__name__)
+
+
+def repair_torn(path: str) -> int:
+    """Cuts the CSV file ``path`` back to its last whole row, one a kill did not cut short (it ends in a newline; one
+    that lost only the ``\\n`` of its ``\\r\\n`` gets it back). Returns the number of bytes removed."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        if data.endswith(b"\r"):
+            f.write(b"\n")
+            return 0
+        keep = data.rfind(b"\n") + 1  # 0: not even the header is whole
+        f.truncate(keep)
+        return len(data) - keep
+
 
 class AppendingExperimentWriter(ExperimentWriter):
     """Lightning's CSV writer without the deletion of an existing ``metrics.csv``; its header is adopted."""
@@ -28,6 +47,9 @@ class AppendingExperimentWriter(ExperimentWriter):
     @override
     def _check_log_dir_exists(self) -> None:
         if os.path.isfile(self.metrics_file_path):
+            if cut := repair_torn(self.metrics_file_path):
+                log.warning("flx: %s ended in a row cut short (a killed run): removed its %d bytes before appending",
+                            self.metrics_file_path, cut)  # fmt: skip
             with open(self.metrics_file_path, newline="") as f:
                 self.metrics_keys = list(next(csv.reader(f), []))
 

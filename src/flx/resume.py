@@ -3,16 +3,20 @@
 A checkpoint of another model, algorithm, set of parts, data, partition or seed cannot continue this run: resuming
 it would fail deep inside ``load_state_dict`` or, worse, silently continue with the wrong state (a FedAdam or DRFA
 checkpoint resumed as FedAvg). :func:`check_ckpt` compares the stored fingerprint with the config's before the run
-starts and names the differences in one line. Only ``omegaconf`` at import time: the pre-run check stays light.
+starts and names the differences in one line. ``ckpt_path=auto`` in a folder whose ``last.ckpt`` is gone resumes from
+its newest intact round file (:func:`newest_round_file`). Only ``omegaconf`` at import time: the pre-run check stays
+light.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from flx.errors import bad_value
+from flx.errors import ConfigError, bad_value
 
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
@@ -85,10 +89,11 @@ def moved_parts(saved: dict[str, Any]) -> dict[str, Any]:
     return {**saved, "algo.parts": {name: now(target) for name, target in parts.items()}}
 
 
-def check_ckpt(cfg: DictConfig, path: str) -> None:
-    """Raises a one-line :class:`ConfigError` unless ``path`` is a flx checkpoint written for this config.
+def read_fingerprint(path: str) -> dict[str, Any]:
+    """The config fingerprint stored in the flx checkpoint ``path``; a one-line :class:`ConfigError` unless the file is
+    intact: loadable weights-only and a flx checkpoint with a fingerprint.
 
-    Loaded weights-only and memory-mapped: only the small ``flx.fingerprint`` entry is read.
+    Loaded memory-mapped: only the small ``flx.fingerprint`` entry is read.
     """
     import torch  # only here: keeps the pre-run check free of the torch import when no checkpoint is given
 
@@ -96,11 +101,18 @@ def check_ckpt(cfg: DictConfig, path: str) -> None:
         ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise bad_value("ckpt_path", path, f"not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "flx" not in ckpt:
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or not isinstance(ckpt.get("flx"), dict):
         raise bad_value("ckpt_path", path, "not a flx Lightning checkpoint (no 'state_dict'/'flx' entries)")
     saved = ckpt["flx"].get("fingerprint")
     if not saved:
         raise bad_value("ckpt_path", path, "written by an older flx without a config fingerprint: cannot check it")
+    return saved
+
+
+def check_ckpt(cfg: DictConfig, path: str, saved: dict[str, Any] | None = None) -> None:
+    """Raises a one-line :class:`ConfigError` unless ``path`` is a flx checkpoint written for this config
+    (``saved``: its fingerprint, when already read by :func:`read_fingerprint`)."""
+    saved = read_fingerprint(path) if saved is None else saved
     mine, theirs = flatten(fingerprint(cfg)), flatten(moved_parts(saved))
     diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     if any(k.startswith("privacy.") for k in diff):
@@ -123,3 +135,42 @@ def _privacy_change(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
         return "its rounds ran under privacy: continue it with the same privacy=... settings, or start a new run"
     shown = "; ".join(f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in keys[:2])
     return f"its privacy ledger was kept under other settings: {shown}; resume with the same privacy settings"
+
+
+def newest_round_file(cfg: DictConfig, dirpath: str) -> str | None:
+    """What ``ckpt_path=auto`` resumes from when ``<dirpath>/last.ckpt`` is gone: the newest intact round file
+    (:func:`read_fingerprint`) of this run (:func:`check_ckpt`), never a silent restart from round 1.
+
+    Newer files that are not intact are skipped, and the choice is said on stderr (one line, by the first process).
+    None when ``dirpath`` holds no round file (a fresh start); one line when none of them is intact.
+    """
+    from flx.checkpoint_io import ROUND_FILE  # torch: only when a run resumes
+
+    found = [m for f in os.listdir(dirpath) if (m := ROUND_FILE.fullmatch(f))] if os.path.isdir(dirpath) else []
+    skipped = []
+    for name in (m.group(0) for m in sorted(found, key=lambda m: -int(m.group(1)))):  # the newest round first
+        path = os.path.join(dirpath, name)
+        try:
+            saved = read_fingerprint(path)
+        except ConfigError:
+            skipped.append(name)
+            continue
+        check_ckpt(cfg, path, saved)
+        _say(f"flx: ckpt_path=auto: {dirpath} has no last.ckpt; resuming from {name}" + _skipped(skipped))
+        return path
+    if skipped:
+        why = f"{dirpath} has no last.ckpt and none of its round files is an intact flx checkpoint"
+        raise bad_value("ckpt_path", "auto", f"{why} ({', '.join(skipped)}); resume from another with ckpt_path=<file>")
+    return None
+
+
+def _skipped(names: list[str]) -> str:
+    return f" (skipped {', '.join(names)}: not intact)" if names else ""
+
+
+def _say(line: str) -> None:
+    """A line on stderr from the run's first process (every rank resolves ``ckpt_path=auto`` alike)."""
+    from flx.launch import process_rank
+
+    if process_rank() == 0:
+        print(line, file=sys.stderr, flush=True)

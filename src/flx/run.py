@@ -46,7 +46,7 @@ from flx.launch import (
 from flx.models.build import net_from_config as build_net
 from flx.module import FederatedModule, metric_names
 from flx.resources import build_server_resources
-from flx.resume import check_ckpt, fingerprint
+from flx.resume import check_ckpt, fingerprint, newest_round_file
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
@@ -107,10 +107,12 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
     """The Lightning Trainer with the federated loops installed; ``strategy=ddp`` maps to flx's DDP.
 
     Checkpoints are flx's round-boundary :class:`RoundCheckpoint` (``checkpoint.*``; ``checkpoint=null`` or
-    ``trainer.enable_checkpointing=false`` switch them off), written atomically by :class:`AtomicCheckpointIO`.
+    ``trainer.enable_checkpointing=false`` switch them off, and with them Lightning's own default checkpoint), written
+    atomically by :class:`AtomicCheckpointIO`.
     """
     callbacks = parts + _instantiate_group(cfg.get("callbacks"))
-    if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
+    checkpointing = cfg.get("checkpoint") is not None and bool(cfg.trainer.get("enable_checkpointing", True))
+    if checkpointing:
         callbacks.append(instantiate(cfg.checkpoint))
     if cfg.trainer.get("enable_progress_bar") is False:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
@@ -130,6 +132,7 @@ def build_trainer(cfg: DictConfig, parts: list[Any]) -> pl.Trainer:
             raise ConfigError(f"SLURM: {one_line(err)}") from None
     # limit_train_batches caps the clients per rank and round: the loop's, not Lightning's (a round is one batch)
     trainer_cfg = {k: v for k, v in cfg.trainer.items() if k not in ("process_group_backend", "limit_train_batches")}
+    trainer_cfg["enable_checkpointing"] = checkpointing  # off: no ModelCheckpoint of Lightning's own (epoch=*.ckpt)
     with cuda_determinism(cfg.trainer.get("deterministic")):  # before anything runs on the GPU (flx.determinism)
         trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False, **kwargs)
     return loop.install(trainer, client_limit=cfg.trainer.get("limit_train_batches"))
@@ -267,7 +270,8 @@ def save_split(folder: str, dm: FederatedDataModule) -> None:
 
 def resume_path(cfg: DictConfig) -> str | None:
     """``ckpt_path``, with ``auto`` resolved: the run folder's ``checkpoints/last.ckpt`` if there is one (a requeued
-    or restarted job), else None (a fresh start). A SLURM job that was requeued (``SLURM_RESTART_COUNT`` > 0, e.g. a
+    or restarted job), else its newest intact round file (:func:`flx.resume.newest_round_file`), else None (a fresh
+    start). A SLURM job that was requeued (``SLURM_RESTART_COUNT`` > 0, e.g. a
     submitit sweep job after preemption) means ``auto`` when ``ckpt_path`` is null. The checkpoint must match the
     config (:func:`check_ckpt`)."""
     path = cfg.get("ckpt_path")
@@ -279,7 +283,7 @@ def resume_path(cfg: DictConfig) -> str | None:
         raise bad_value("ckpt_path", path, "needs checkpoint.dirpath (checkpoint is null)")
     last = os.path.join(str(cfg.checkpoint.dirpath), LAST)
     if not os.path.isfile(last):
-        return None
+        return newest_round_file(cfg, str(cfg.checkpoint.dirpath))
     check_ckpt(cfg, last)
     return last
 

@@ -6,7 +6,9 @@ A run writes its config, data split, partition, checkpoints, metrics and cached 
 
 - :func:`check_fresh`: a fresh run (no ``ckpt_path``) into a folder that already holds files stops with one line
   naming the folder and the ways on: ``ckpt_path=auto`` to continue that run, another folder, or ``run.overwrite=true``,
-  which moves the old outputs aside into ``<folder>/previous-<k>`` (:func:`move_aside`; nothing is deleted).
+  which moves the old outputs aside into ``<folder>/previous-<k>`` (:func:`move_aside`; nothing is deleted). It moves
+  only a folder flx recognises as a run's (its ``.hydra/config.yaml``) holding nothing but what flx writes
+  (:data:`WRITTEN`): a checkout or a home folder named as ``hydra.run.dir`` is refused (:func:`check_movable`).
 - :func:`check_elsewhere`: the same for a fresh run's ``checkpoint.dirpath`` and disk client store where they lie
   outside the run folder (no ``run.overwrite`` there).
 - :func:`check_continued`: a continuing run into a folder whose saved config (``.hydra/config.yaml``) is another run's
@@ -36,6 +38,12 @@ from flx.errors import ConfigError, bad_value
 LOCK = ".flx.lock"
 PREVIOUS = "previous-"  # run.overwrite=true moves the outputs into <folder>/previous-<k>
 SAVED_CONFIG = os.path.join(".hydra", "config.yaml")
+WRITTEN = frozenset(
+    (".hydra", "checkpoints", "client_state", "csv", "tensorboard", "wandb", "curves.json", "curves.png")
+    + ("pm.pt", "pm.pt.json", "whale.json", "lambda.json")
+)
+"""The top-level entries flx writes into a run folder with its configs' paths: Hydra's config, the round checkpoints,
+the disk client store, the loggers' folders, the curves, AugFL's cached PM, the WHALE and DRFA reports."""
 
 
 def _own(name: str) -> bool:
@@ -79,12 +87,35 @@ def check_fresh(folder: str, allow_overwrite: bool) -> None:
     """A fresh run may start in ``folder`` only when it holds no files (see :func:`outputs`), or with
     ``allow_overwrite`` (the caller then :func:`move_aside`\\ s them). Raises one line otherwise."""
     found = outputs(folder)
+    if found and allow_overwrite:
+        check_movable(folder, found)
     if not found or allow_overwrite:
         return
-    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
     raise ConfigError(
-        f"hydra.run.dir={folder}: already holds a run's outputs ({shown}); continue that run with ckpt_path=auto, "
-        "start this one in a new folder, or set run.overwrite=true to move the old outputs aside (never deleted)"
+        f"hydra.run.dir={folder}: already holds a run's outputs ({_shown(found)}); continue that run with "
+        "ckpt_path=auto, start this one in a new folder, or set run.overwrite=true to move the old outputs aside "
+        "(never deleted)"
+    )
+
+
+def _shown(names: list[str]) -> str:
+    """``a, b, c, d and 2 more``: the first four names of a list, for a one-line message."""
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_movable(folder: str, found: list[str]) -> None:
+    """``run.overwrite=true`` moves the entries ``found`` of ``folder`` only when the folder is a flx run's (it holds
+    ``.hydra/config.yaml``) and each of them is one flx writes (:data:`WRITTEN`): an empty ``hydra.run.dir`` (the
+    current folder), a checkout or a home folder must never be moved. Raises one line otherwise."""
+    why = "is not a flx run folder (no .hydra/config.yaml)"
+    if os.path.isfile(os.path.join(folder, SAVED_CONFIG)):
+        foreign = [name for name in found if name not in WRITTEN]
+        if not foreign:
+            return
+        why = f"also holds files flx did not write ({_shown(foreign)})"
+    raise ConfigError(
+        f"hydra.run.dir={folder}: {why}; run.overwrite=true moves only a flx run's own outputs: start this run in a "
+        "new folder"
     )
 
 
@@ -103,8 +134,7 @@ def check_elsewhere(folder: str, cfg: DictConfig) -> None:
             continue
         found = outputs(str(path))
         if found:
-            shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-            why = f"already holds another run's files ({shown}); a fresh run needs an empty folder there"
+            why = f"already holds another run's files ({_shown(found)}); a fresh run needs an empty folder there"
             raise bad_value(key, str(path), f"{why}, or continue that run with ckpt_path=auto")
 
 
