@@ -191,17 +191,61 @@ def test_finite_blow_up_stops_naming_the_knob_and_can_be_switched_off(tmp_path: 
     lines = flx_lines(proc.stderr)
     assert proc.returncode == 3 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("flx: error: diverged in round 2: train/loss ") and "above 100 x the initial" in lines[0]
-    assert lines[0].endswith("lower algo.lr (now 3)") and "final test_acc" not in proc.stdout
+    assert lines[0].endswith("lower algo.lr (now 3): the blow-up began in round 1, before any server step")
+    assert "final test_acc" not in proc.stdout
     assert ckpt(out / "checkpoints" / "last.ckpt")["flx"]["round"] == 1  # round 2 is never saved
 
     server = run(tmp_path / "server", "algo=fedadam", "algo.server.lr=1e8")
     lines = flx_lines(server.stderr)
     assert server.returncode == 3 and len(lines) == 1, server.stderr[-3000:]
-    assert lines[0].startswith("flx: error: diverged in round 2") and lines[0].endswith("algo.server.lr (now 1e+08)")
+    assert lines[0].startswith("flx: error: diverged in round 2") and "lower algo.server.lr (now 1e+08)" in lines[0]
 
     off = run(tmp_path / "off", "algo.lr=3", "fault.diverge_factor=null", "algo.rounds=3")
     assert off.returncode == 0 and not flx_lines(off.stderr), off.stderr[-3000:]
     assert "final test_acc" in off.stdout
+
+
+RULE = "above 100 x the initial loss {} for 2 round(s) in a row (fault.diverge_factor, fault.diverge_rounds; null "
+
+
+def test_divergence_under_dp_noise_says_the_noise_dominates_and_names_its_levers(tmp_path: Path) -> None:
+    """Central DP calibrated to epsilon 0.05 over 5 rounds with 5 of 100 clients (sigma 32.8): the noise on the global
+    model, std 32.8 x 0.1 / 5 = 0.656 per coordinate, norm 0.656 sqrt(55210) = 154 per round, buries the mean clipped
+    update (norm <= clip 0.1), and the loss blows up from round 2. The line says so and names the levers (it said
+    'lower algo.lr')."""
+    proc = run(
+        tmp_path / "run", "privacy=central", "privacy.target_epsilon=0.05", "algo.clients_per_round=5", "algo.rounds=5"
+    )
+    assert proc.returncode == 3 and flx_lines(proc.stderr) == [
+        "flx: error: diverged in round 3: train/loss 1147 " + RULE.format("2.309") + "switches the rule off); the DP "
+        "noise dominates the update: noise of std 0.656 per coordinate on the global model per round (sigma 32.8 x "
+        "clip 0.1 / m 5), norm 154 over d = 55210, against the round's mean clipped update of norm 0.0602 (clip 0.1); "
+        "raise privacy.target_epsilon (now 0.05), lower privacy.clip (now 0.1) or raise algo.clients_per_round (now 5)"
+    ], proc.stderr[-3000:]
+
+
+def test_fedadam_blow_up_names_the_server_keys_of_the_step_it_began_from(tmp_path: Path) -> None:
+    """FedAdam with eta_s = 100: round 1's server step moved the model 7.6e3 x the clients' mean update, its
+    denominator at eps (steps ~ eta_s m / tau); the loss blows up from round 2 and the line names algo.server.lr and
+    algo.server.eps. It named algo.lr: the last step, taken on round 2's blown-up updates, is shorter than them."""
+    proc = run(tmp_path / "run", "algo=fedadam", "algo.server.lr=100", "algo.rounds=5")
+    assert proc.returncode == 3 and flx_lines(proc.stderr) == [
+        "flx: error: diverged in round 3: train/loss 1.995e+04 " + RULE.format("2.301") + "switches the rule off); "
+        "lower algo.server.lr (now 100) or raise algo.server.eps (now 0.001): the server step moved the global model "
+        "7.59e+03 x the clients' mean update, its adaptive denominator 0.00132 at eps (second moment ~0: steps ~ lr / "
+        "eps)"
+    ], proc.stderr[-3000:]
+
+
+def test_client_lr_blow_up_under_dp_still_names_algo_lr(tmp_path: Path) -> None:
+    """Central DP with algo.lr=50: round 1's clients blow up from the initial model, before any noise or server
+    step, so the line names algo.lr, not the noise (whose norm is larger than the clipped update's all the same)."""
+    proc = run(tmp_path / "run", "privacy=central", "privacy.noise_multiplier=0.5", "algo.lr=50", "algo.rounds=5")
+    lines = flx_lines(proc.stderr)
+    assert proc.returncode == 3 and lines[-1] == (
+        "flx: error: diverged in round 2: train/loss 2.913e+32 " + RULE.format("2.323") + "switches the rule off); "
+        "lower algo.lr (now 50): the blow-up began in round 1, before any server step"
+    ), proc.stderr[-3000:]
 
 
 def _mount_tmpfs(where: Path, options: str) -> None:

@@ -14,6 +14,8 @@ Policies (``FederationConfig.fault_policy``, ``single_row_batch``; docs/round_pr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from helpers import linear, make_fed, params, run_rounds, toy_data
 from torch import nn
 
 from flx.datamodules.datamodule import ClientStore
-from flx.faults import ClientFault, Diverged, DivergenceWatch, RoundFaults, all_finite, knob
+from flx.faults import ClientFault, Diverged, DivergenceWatch, RoundFaults, all_finite, distance, optimizer_cause
 from flx.federation import Federation, FederationConfig
 from flx.hooks import FederatedCallback
 from flx.sampling import derive_seed, local_batches
@@ -237,7 +239,7 @@ def _fires_at(losses: list[float | None], reference: float = 2.0, factor: float 
     watch.set_reference(reference)
     for r, loss in enumerate(losses, start=1):
         try:
-            watch.observe(r, loss, lambda: "algo.lr (now 3)")
+            watch.observe(r, loss, lambda first: "lower algo.lr (now 3)")
         except Diverged:
             return r
     return None
@@ -271,12 +273,12 @@ def test_divergence_rule_variants_and_switches() -> None:
 def test_divergence_message_names_round_value_rule_and_knob() -> None:
     watch = DivergenceWatch(100.0, 2)
     watch.set_reference(2.302)
-    watch.observe(1, 3.9e7, lambda: "algo.lr (now 3)")
+    watch.observe(1, 3.9e7, lambda first: f"lower algo.lr (now 3) since {first}")
     with pytest.raises(Diverged) as err:
-        watch.observe(2, 5.2e7, lambda: "algo.lr (now 3)")
+        watch.observe(2, 5.2e7, lambda first: f"lower algo.lr (now 3) since {first}")
     assert str(err.value) == (
         "diverged in round 2: train/loss 5.2e+07 above 100 x the initial loss 2.302 for 2 round(s) in a row "
-        "(fault.diverge_factor, fault.diverge_rounds; null switches the rule off); lower algo.lr (now 3)"
+        "(fault.diverge_factor, fault.diverge_rounds; null switches the rule off); lower algo.lr (now 3) since 1"
     )
 
 
@@ -294,17 +296,47 @@ def test_divergence_state_resumes_mid_streak() -> None:
         resumed.observe(3, 30.0, str)
 
 
-def test_knob_is_the_server_lr_only_when_the_server_step_outran_the_clients() -> None:
-    cfg = FederationConfig(lr=3.0, server=ServerOptConfig(name="adam", lr=1e8))
-    assert knob(cfg, 1.0) == "algo.lr (now 3)"
-    assert knob(cfg, 0.01) == "algo.lr (now 3)"
-    assert knob(cfg, 1.5) == "algo.server.lr (now 1e+08)"
-    assert knob(cfg, float("inf")) == knob(cfg, float("nan")) == "algo.server.lr (now 1e+08)"
+def test_optimizer_cause_names_the_key_the_measurement_points_to() -> None:
+    """Amplification ``a`` at most 1: the clients (algo.lr). Above 1: SGD names algo.server.lr when lr > 1 and
+    algo.server.momentum when ``a / lr`` > 1 (``||v_t|| > ||Delta_t||``); FedAdam names algo.server.lr, and
+    algo.server.eps when the effective denominator is within 2 eps (second moment ~0)."""
+    moved = "the server step moved the global model {} x the clients' mean update"
+    cfg = FederationConfig(lr=3.0, server=ServerOptConfig(lr=4.0, momentum=0.9))
+    assert optimizer_cause(cfg, 1.0) == f"lower algo.lr (now 3): {moved.format(1)}, no farther"
+    assert optimizer_cause(cfg, 0.01) == f"lower algo.lr (now 3): {moved.format(0.01)}, no farther"
+    assert (
+        optimizer_cause(cfg, 6.0)
+        == f"lower algo.server.momentum (now 0.9) or algo.server.lr (now 4): {moved.format(6)}"
+    )
+    assert optimizer_cause(cfg, 2.0) == f"lower algo.server.lr (now 4): {moved.format(2)}"  # 2 / 4: v_t shorter
+    cfg = FederationConfig(server=ServerOptConfig(lr=0.5, momentum=0.99))
+    assert optimizer_cause(cfg, 30.0) == f"lower algo.server.momentum (now 0.99): {moved.format(30)}"
+    cfg = FederationConfig(server=ServerOptConfig(name="adam", lr=1e8, eps=1e-3))
+    assert optimizer_cause(cfg, 7.5e9, 0.0015) == (
+        f"lower algo.server.lr (now 1e+08) or raise algo.server.eps (now 0.001): {moved.format('7.5e+09')}, its "
+        "adaptive denominator 0.0015 at eps (second moment ~0: steps ~ lr / eps)"
+    )
+    assert optimizer_cause(cfg, 7.5e9, 0.05) == f"lower algo.server.lr (now 1e+08): {moved.format('7.5e+09')}"
+    inf, nan = float("inf"), float("nan")
+    assert (
+        optimizer_cause(cfg, inf)
+        == optimizer_cause(cfg, inf, nan)
+        == f"lower algo.server.lr (now 1e+08): {moved.format(inf)}"
+    )
+    assert optimizer_cause(cfg, nan).startswith("lower algo.server.lr (now 1e+08): ")
+
+
+def test_distance_is_the_norm_of_the_difference() -> None:
+    a, b = [torch.tensor([3.0, 1.0]), torch.tensor([[2.0]])], [torch.tensor([0.0, 1.0]), torch.tensor([[-2.0]])]
+    assert float(distance(a, b)) == pytest.approx(5.0) and float(distance([], [])) == 0.0
+    wide = distance([t.double() for t in a], b)  # a float64 model keeps float64
+    assert wide.dtype == torch.float64 and float(wide) == 5.0
 
 
 def test_server_amplification_closed_forms() -> None:
     """||w_{t+1} - w_t|| / ||Delta||: 1 for plain averaging; eta_s for SGD without momentum; for FedAdam's first step
-    on one scalar, eta_s (1 - b1) / (sqrt(1 - b2) |Delta| + tau) (m = (1 - b1) Delta, v = (1 - b2) Delta^2)."""
+    on one scalar, eta_s (1 - b1) / (sqrt(1 - b2) |Delta| + tau) (m = (1 - b1) Delta, v = (1 - b2) Delta^2), whose
+    denominator eta_s |m| / |step| is sqrt(v) + tau."""
     delta = 0.5
     for cfg, expected in [
         (ServerOptConfig(), 1.0),
@@ -316,6 +348,10 @@ def test_server_amplification_closed_forms() -> None:
         opt = ServerOptimizer(w, cfg)
         opt.step([torch.full((), delta, dtype=torch.float64)])
         assert opt.amplification == pytest.approx(expected, rel=1e-12)
+        if cfg.name == "adam":  # the effective denominator is sqrt(v) + tau = 0.1 |Delta| + tau
+            assert opt.moves.denominator == pytest.approx(0.1 * delta + 1e-3, rel=1e-12)
+        else:
+            assert math.isnan(opt.moves.denominator)
         assert ServerOptimizer(w, cfg).amplification == 1.0  # before any step
         resumed = ServerOptimizer(w, cfg)
         resumed.load_state_dict(opt.state_dict())
@@ -341,14 +377,15 @@ def test_fedadam_divergence_names_the_server_lr_or_the_client_lr_by_what_drove_i
     server = _blow_up_run(lr=0.05, server=ServerOptConfig(name="adam", lr=1e8))
     assert "lower algo.server.lr (now 1e+08)" in server and "algo.lr" not in server.replace("algo.server.lr", "")
     clients = _blow_up_run(lr=50.0, server=ServerOptConfig(name="adam", lr=0.01))
-    assert clients.endswith("lower algo.lr (now 50)")
+    assert clients.endswith("lower algo.lr (now 50): the blow-up began in round 1, before any server step")
 
 
 def test_finite_blow_up_with_plain_averaging_names_algo_lr_and_off_lets_it_run() -> None:
     """FedAvg (plain averaging can never outrun the clients) with a large client lr: the finite rule stops it,
     naming algo.lr; with the rule off the same run goes on (its loss stays finite)."""
     message = _blow_up_run(lr=50.0)
-    assert message.startswith("diverged in round 2: train/loss ") and message.endswith("lower algo.lr (now 50)")
+    assert message.startswith("diverged in round 2: train/loss ")
+    assert message.endswith("lower algo.lr (now 50): the blow-up began in round 1, before any server step")
     fed = _blow_up_fed(lr=50.0, diverge_factor=None)
     run_rounds(fed, 10)
     assert fed.server.round == 10 and fed.divergence.reference is None

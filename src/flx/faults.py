@@ -8,13 +8,16 @@ a global model that is not finite after the server step, and a finite blow-up of
 (:class:`DivergenceWatch`: ``fault.diverge_factor``, ``fault.diverge_rounds``) stop the run as :class:`Diverged`.
 ``train.py`` reports a :class:`RunFailure` as one line and exit status 3: a faulty run never ends "successfully".
 
-Each divergence message names the knob that drives it (:func:`knob`): ``algo.server.lr`` when the server step
-moved the global model farther than the clients' mean update did (a server optimizer with its own step, e.g.
-FedAdam), else ``algo.lr``.
+Each divergence message ends with its cause and the keys to change (:meth:`flx.federation.Federation.
+divergence_cause`): the clients' ``algo.lr`` for a blow-up in the first round's local training (the server had not
+stepped yet); else a part's answer (``FederatedCallback.divergence_cause``: the DP parts name their noise when it
+dominates the update); else the server optimizer's key when its step moved the global model farther than the clients'
+mean update did (:func:`optimizer_cause`), else ``algo.lr``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -71,21 +74,49 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return math.isfinite(torch.stack(sums).sum().item())
 
 
-def knob(cfg: FederationConfig, amplification: float) -> str:
-    """The setting to lower when the run diverges, with its value: ``algo.server.lr`` if the last server step moved
-    the global model farther than the clients' mean update (``amplification`` > 1, or not a number: see
-    :attr:`flx.server.ServerOptimizer.amplification`; plain averaging is exactly 1), else ``algo.lr``.
+def optimizer_cause(cfg: FederationConfig, amplification: float, denominator: float = math.nan) -> str:
+    """The optimizer keys a divergence message names, with their values and the measurement that names them.
 
-    A mean of finite client models is a blend of what the clients did; only a server step with its own step size
-    (FedAdam, server momentum or ``lr`` > 1) can move the model beyond it, and only then is the server's the knob.
+    A mean of finite client models is a blend of what the clients did; only a server step with its own step size can
+    move the model beyond it. So with ``amplification`` (:attr:`flx.server.StepMoves.amplification`:
+    ``||w_{t+1} - w_t|| / ||Delta_t||``; plain averaging is exactly 1) at most 1, the clients' ``algo.lr``; above 1
+    (or not a number), the server's keys: SGD's ``algo.server.lr`` when above 1 and ``algo.server.momentum`` when its
+    buffer outgrew the update (``amplification / lr`` > 1: ``||v_t|| > ||Delta_t||``); FedAdam's ``algo.server.lr``,
+    and ``algo.server.eps`` when the ``denominator`` (:attr:`flx.server.StepMoves.denominator`) is within
+    twice ``eps``: the second moment is ~0 against it, so the step is ~ ``lr / eps`` times the first moment.
     """
-    if not amplification <= 1.0:
-        return f"algo.server.lr (now {cfg.server.lr:g})"
-    return f"algo.lr (now {cfg.lr:g})"
+    moved = f"the server step moved the global model {amplification:.3g} x the clients' mean update"
+    if amplification <= 1.0:
+        return f"lower algo.lr (now {cfg.lr:g}): {moved}, no farther"
+    s = cfg.server
+    if s.name == "adam":
+        if denominator <= 2 * s.eps:
+            return (
+                f"lower algo.server.lr (now {s.lr:g}) or raise algo.server.eps (now {s.eps:g}): {moved}, its "
+                f"adaptive denominator {denominator:.3g} at eps (second moment ~0: steps ~ lr / eps)"
+            )
+        return f"lower algo.server.lr (now {s.lr:g}): {moved}"
+    keys = [f"algo.server.lr (now {s.lr:g})"] if not s.lr <= 1.0 else []
+    if s.momentum and s.lr > 0 and not amplification / s.lr <= 1.0:  # ||v_t|| > ||Delta_t||: the buffer moved it
+        keys.insert(0, f"algo.server.momentum (now {s.momentum:g})")
+    return f"lower {' or '.join(keys or [f'algo.server.lr (now {s.lr:g})'])}: {moved}"
+
+
+def distance(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """``||a - b||`` over two aligned lists of tensors, as one 0-dim tensor of at least fp32 (no host sync); one
+    tensor's difference alive at a time. What :meth:`flx.federation.Federation.update_norm` measures."""
+    if not a:
+        return torch.zeros(())
+    norms = [
+        torch.linalg.vector_norm(x - y.to(x.dtype), dtype=torch.promote_types(x.dtype, torch.float32))
+        for x, y in zip(a, b)
+    ]
+    dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms])
+    return torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]))
 
 
 def judge(
-    faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: FederationConfig, warn: bool, lower: str = ""
+    faults: RoundFaults, aggregated: int, cohort: int, r: int, cfg: FederationConfig, warn: bool, cause: str = ""
 ) -> RoundFaults:
     """Applies the fault policy to round ``r`` (1-based) after its reduce; identical on every rank.
 
@@ -96,7 +127,8 @@ def judge(
         r: the round, counted from 1.
         cfg: the round protocol (``fault_policy``, ``lr`` for the hint).
         warn: print the warning line (one rank only).
-        lower: the knob to lower, with its value (:func:`knob`); default ``algo.lr``.
+        cause: what the message ends with, the keys to change (:meth:`flx.federation.Federation.divergence_cause`);
+            default ``lower algo.lr``.
 
     Raises:
         ClientFault: a client was dropped and ``fault_policy="stop"``.
@@ -104,16 +136,16 @@ def judge(
     """
     if not faults.dropped:
         return faults
-    lower = lower or knob(cfg, 1.0)
+    cause = cause or optimizer_cause(cfg, 1.0)
     if cfg.fault_policy == "stop":
         raise ClientFault(
             f"round {r}: client {faults.dropped[0]} has a non-finite loss or update (fault.policy=stop); "
-            f"lower {lower} or use fault.policy=drop"
+            f"use fault.policy=drop, or {cause}"
         )
     if aggregated == 0:
         raise Diverged(
             f"diverged in round {r}: every client's loss or update is not finite "
-            f"({len(faults.dropped)} of {len(faults.dropped) + len(faults.skipped)} dropped); lower {lower}"
+            f"({len(faults.dropped)} of {len(faults.dropped) + len(faults.skipped)} dropped); {cause}"
         )
     if warn:
         ids = ", ".join(str(c) for c in faults.dropped)
@@ -126,11 +158,11 @@ def judge(
     return faults
 
 
-def check_global_model(tensors: Sequence[Tensor], r: int, lower: Callable[[], str]) -> None:
-    """Raises :class:`Diverged` if the global model after round ``r``'s server step is not finite (``lower()``: the
-    knob to name, :func:`knob`; asked only then)."""
+def check_global_model(tensors: Sequence[Tensor], r: int, cause: Callable[[], str]) -> None:
+    """Raises :class:`Diverged` if the global model after round ``r``'s server step is not finite (``cause()``: what
+    the message ends with, :meth:`flx.federation.Federation.divergence_cause`; asked only then)."""
     if not all_finite(tensors):
-        raise Diverged(f"diverged in round {r}: the global model is not finite after the server step; lower {lower()}")
+        raise Diverged(f"diverged in round {r}: the global model is not finite after the server step; {cause()}")
 
 
 class DivergenceWatch:
@@ -164,12 +196,13 @@ class DivergenceWatch:
         """Sets ``L_0``; one that is not a finite number > 0 switches the rule off for the run."""
         self.reference = loss if math.isfinite(loss) and loss > 0 else 0.0
 
-    def observe(self, r: int, loss: float | None, lower: Callable[[], str]) -> None:
+    def observe(self, r: int, loss: float | None, cause: Callable[[int], str]) -> None:
         """Counts round ``r``'s training loss ``loss`` (None: no client aggregated) against the rule.
 
         Raises:
             Diverged: the loss was above ``factor * L_0`` in ``rounds`` consecutive rounds; the message names the
-                round, the loss, the rule and ``lower`` (the knob, :func:`knob`).
+                round, the loss, the rule and ends with ``cause(s)``, ``s`` the first round above
+                (:meth:`flx.federation.Federation.divergence_cause`).
         """
         if self.factor is None or not self.reference or loss is None:
             return
@@ -178,17 +211,17 @@ class DivergenceWatch:
             raise Diverged(
                 f"diverged in round {r}: train/loss {loss:.4g} above {self.factor:g} x the initial loss "
                 f"{self.reference:.4g} for {self.rounds} round(s) in a row (fault.diverge_factor, "
-                f"fault.diverge_rounds; null switches the rule off); lower {lower()}"
+                f"fault.diverge_rounds; null switches the rule off); {cause(r - self.streak + 1)}"
             )
 
-    def judge(self, counted: dict[str, float], r: int, loss: float | None, lower: Callable[[], str]) -> None:
+    def judge(self, counted: dict[str, float], r: int, loss: float | None, cause: Callable[[int], str]) -> None:
         """After round ``r``'s reduce: sets ``L_0`` from the reduced ``initial_*`` counters of the first round (a
         cohort without rows leaves it to the next round), then :meth:`observe`-s the round's loss."""
         if self.factor is None:
             return
         if self.needs_reference() and counted["initial_rows"] > 0:
             self.set_reference(counted["initial_loss_sum"] / counted["initial_rows"])
-        self.observe(r, loss, lower)
+        self.observe(r, loss, cause)
 
     def state_dict(self) -> dict[str, Any]:
         return {"reference": self.reference, "streak": self.streak}

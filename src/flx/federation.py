@@ -31,11 +31,20 @@ from flx import evaluation, vectorized
 from flx.aggregation import ReduceFn
 from flx.clients import Sequential
 from flx.context import ClientContext, ClientData, FederationConfig, FederationSpec, Round
-from flx.faults import DivergenceWatch, RoundFaults, check_global_model, gather_faults, judge, knob, reference_rows
+from flx.faults import (
+    DivergenceWatch,
+    RoundFaults,
+    check_global_model,
+    distance,
+    gather_faults,
+    judge,
+    optimizer_cause,
+    reference_rows,
+)
 from flx.hooks import HOOKS, FederatedCallback, RoundRefused, first_answer, overrides
 from flx.round_buffer import COUNTERS
 from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, number_copies, shard_greedy, uniform_cohort
-from flx.server import ServerOptimizer
+from flx.server import ServerOptimizer, StepMoves
 from flx.services import PartServices
 from flx.state import GlobalModel, ServerState, share_states
 from flx.systems.clock import SimClock
@@ -101,11 +110,36 @@ class Federation(PartServices):
         self.server_opt = ServerOptimizer(self.global_params, cfg.server)
         self.local_opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         self.runner = (vectorized.Stacked if cfg.vectorize else Sequential)(self)
+        # the last server steps' measurements, by step (1-based), for divergence_cause: what the optimizer did, and
+        # ||mean - w^t|| when a part answers divergence_cause; as many as a divergence streak reaches back
+        self._steps: dict[int, tuple[StepMoves, Tensor | None]] = {}
+        self._keep = (cfg.diverge_rounds if cfg.diverge_factor is not None else 0) + 1
 
-    def knob(self) -> str:
-        """The setting a divergence message names, with its value (:func:`flx.faults.knob`): ``algo.server.lr``
-        when the last server step moved the global model farther than the clients' mean update, else ``algo.lr``."""
-        return knob(self.cfg, self.server_opt.amplification)
+    def divergence_cause(self, since: int = 0) -> str:
+        """What a divergence message ends with: the cause and the keys to change, with their values.
+
+        ``since``: the first round whose clients met the blow-up (0: the model of the last server step). Round 1's
+        clients trained from the initial model, which no server step had touched: only their own ``algo.lr`` can be
+        the cause. Otherwise, of the server step that made the model they met (``since - 1``): the first part's
+        answer (``divergence_cause``: DP noise that dominated the update), else the server optimizer's keys when its
+        step outran the clients' mean update, else ``algo.lr`` (:func:`flx.faults.optimizer_cause`).
+        """
+        if since == 1:
+            return f"lower algo.lr (now {self.cfg.lr:g}): the blow-up began in round 1, before any server step"
+        step = since - 1 if since else max(self._steps, default=self.server.round)
+        answer = first_answer(self._hooked["divergence_cause"], "divergence_cause", self, step)
+        if answer is not None:
+            return answer
+        moves = self._steps[step][0] if step in self._steps else self.server_opt.moves  # a resumed run: the last
+        return optimizer_cause(self.cfg, moves.amplification, moves.denominator)
+
+    def update_norm(self, step: int) -> float | None:
+        """``||mean - w^t||`` of server step ``step`` (1-based): the clients' aggregate update (every uploaded
+        tensor) as reduced, before the parts' ``on_server_step``; what a part's ``divergence_cause`` weighs its own
+        contribution against. Kept for the last few steps of this process, and only when a part answers
+        ``divergence_cause`` (else None); read on the host only when asked."""
+        norm = self._steps.get(step, (None, None))[1]
+        return None if norm is None else float(norm)
 
     # ------------------------------------------------------------------ the round
     def sample(self, round_idx: int) -> list[int]:
@@ -205,10 +239,10 @@ class Federation(PartServices):
         if self.world_size > 1 and self.gather is not None and counted["stored"] > 0:
             share_states(self.store, rnd.state_updates, self.gather, self.rank)
         faults = gather_faults(rnd.left_out, counted, self.gather if self.world_size > 1 else None)
-        lower = self.knob() if faults.dropped else ""
         aggregated, r = int(counted["aggregated"]), rnd.round + 1
-        self.faults = judge(faults, aggregated, len(rnd.cohort), r, self.cfg, warn=self.rank == 0, lower=lower)
-        self.divergence.judge(counted, rnd.round + 1, self.train_loss, self.knob)
+        cause = self.divergence_cause(r) if faults.dropped else ""
+        self.faults = judge(faults, aggregated, len(rnd.cohort), r, self.cfg, warn=self.rank == 0, cause=cause)
+        self.divergence.judge(counted, r, self.train_loss, self.divergence_cause)
         if counted["aggregated"] > 0:
             self._server_step()
         else:  # no client of the round had usable rows: the global model stays as it was
@@ -224,12 +258,16 @@ class Federation(PartServices):
 
     def _server_step(self) -> None:
         mean = self.aggregator.compute(self.model.global_state)
+        update = distance(mean, self.model.global_state) if self._hooked["divergence_cause"] else None
         for part in self._hooked["on_server_step"]:
             part.on_server_step(self, self.rnd, mean)
         n = len(self.params)
         self.server_opt.step(mean[:n])
+        step = self.rnd.round + 1
+        self._steps[step] = (self.server_opt.moves, update)
+        self._steps.pop(step - self._keep, None)
         self.model.commit(mean[n:])
-        check_global_model(self.local_state, self.rnd.round + 1, self.knob)
+        check_global_model(self.local_state, self.rnd.round + 1, self.divergence_cause)
 
     # ------------------------------------------------------------------ personalised evaluation
     def parts_with(self, hook: str) -> list[FederatedCallback]:

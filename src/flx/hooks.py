@@ -26,6 +26,8 @@ Server side (run identically on every rank):
 ``on_server_step``     after the one collective reduce, before the server optimizer (edit the mean)
 ``on_round_end``       after the server step; the net holds the new global model
 ``release_loss``       a client's loss at a model, as it releases it (a privacy part noises it)
+``divergence_cause``   why the run diverged and the keys to change, when the part is the cause (DP
+                       noise); first non-None wins, else the optimizer's keys
 =====================  ==========================================================================
 
 Client side (per client, on the rank that trains it):
@@ -70,6 +72,7 @@ HOOKS = (
     "on_server_step",
     "on_round_end",
     "release_loss",
+    "divergence_cause",
     "on_client_start",
     "local_update",
     "sample_batch",
@@ -147,6 +150,14 @@ class FederatedCallback(Callback):
         caller then computes it itself). A privacy part returns a noised estimate and accounts for it; parts that
         upload losses (``loss_uploads``) ask here first. Same on every rank: draw from ``(seed, round, client)``
         streams."""
+        return None
+
+    def divergence_cause(self, fed: FederationView, step: int) -> str | None:
+        """Server, every rank, when the run stops as diverged from the model of server step ``step`` (1-based): the
+        end of the one-line message, the cause and the keys to change with their values (``the DP noise dominates
+        ...; raise privacy.target_epsilon (now 0.5) ...``), or None when the part is not the cause (the first
+        non-None wins; else the optimizer's keys, :func:`flx.faults.optimizer_cause`). ``fed.update_norm(step)`` is
+        that step's mean client update as reduced, before ``on_server_step``. Claim only what a measurement shows."""
         return None
 
     def metric_names(self) -> tuple[str, ...]:

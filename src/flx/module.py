@@ -300,7 +300,7 @@ class FederatedModule(pl.LightningModule):
         if not torch.isfinite(self.metrics[split].loss.compute()):
             raise Diverged(
                 f"diverged in round {self.federation.server.round}: the global model's {split} loss is not finite; "
-                f"lower {self.federation.knob()}"
+                f"{self.federation.divergence_cause()}"
             )
 
     def _log_split(self, split: str, per_client_rows: bool) -> None:

@@ -41,6 +41,36 @@ class ServerOptConfig:
     weight_decay: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepMoves:
+    """What one server step measured, as tensors read on the host only when a divergence is reported: ``server`` =
+    ``||w_{t+1} - w_t||``, ``clients`` = ``||Delta_t||`` (the mean update), ``adam`` = ``eta_s ||m_t||`` (FedAdam;
+    None for SGD)."""
+
+    server: Tensor | float = 1.0
+    clients: Tensor | float = 1.0
+    adam: Tensor | None = None
+
+    @property
+    def amplification(self) -> float:
+        """How far the step moved the global model, relative to the clients' mean update: ``server / clients``
+        (``inf`` when the clients did not move and the server did). Above 1, the server step, not the clients, drove
+        the model (:func:`flx.faults.optimizer_cause`)."""
+        server, clients = float(self.server), float(self.clients)
+        if clients == 0.0:
+            return 1.0 if server == 0.0 else math.inf
+        return server / clients
+
+    @property
+    def denominator(self) -> float:
+        """FedAdam's effective denominator, ``eta_s ||m_t|| / ||w_{t+1} - w_t||``: the size of
+        :math:`\\sqrt{v_t} + \\tau` as the step saw it (exact when it is the same in every coordinate). Near ``tau``
+        the second moment is ~0 against it and the step is ~ ``eta_s m_t / tau``. Not a number for SGD and for a
+        step of length 0."""
+        server = float(self.server)
+        return float(self.adam) / server if self.adam is not None and server > 0 else math.nan
+
+
 class ServerOptimizer:
     """Applies the server update to the global parameters in place.
 
@@ -55,21 +85,12 @@ class ServerOptimizer:
         self.params, self.cfg = params, cfg
         self.exact_mean = cfg.name == "sgd" and cfg.lr == 1.0 and cfg.momentum == 0.0 and cfg.weight_decay == 0.0
         self.state: dict[str, Any] = {"step": 0}
-        # the last step's (||w_{t+1} - w_t||, ||Delta_t||): read as a float only when a divergence is reported
-        self._moves: tuple[Tensor, Tensor] | float = 1.0
+        self.moves = StepMoves()  # the last step's; a new value every step (a caller may keep earlier ones)
 
     @property
     def amplification(self) -> float:
-        """How far the last step moved the global model, relative to the clients' mean update:
-        ``||w_{t+1} - w_t|| / ||Delta_t||`` (1 for plain averaging and before the first step; ``inf`` when the
-        clients did not move and the server did). Above 1, the server step, not the clients, drove the model
-        (:func:`flx.faults.knob`)."""
-        if isinstance(self._moves, float):
-            return self._moves
-        server, clients = (float(m) for m in self._moves)
-        if clients == 0.0:
-            return 1.0 if server == 0.0 else math.inf
-        return server / clients
+        """The last step's :attr:`StepMoves.amplification` (1 for plain averaging and before the first step)."""
+        return self.moves.amplification
 
     def _moment(self, name: str) -> list[Tensor]:
         if name not in self.state:
@@ -87,8 +108,10 @@ class ServerOptimizer:
         clients = _norm(delta)
         if self.cfg.weight_decay:
             torch._foreach_add_(delta, self.params, alpha=-self.cfg.weight_decay)
-        server = self._sgd(delta) if self.cfg.name == "sgd" else self._adam(delta)
-        self._moves = (server, clients)
+        if self.cfg.name == "sgd":
+            self.moves = StepMoves(self._sgd(delta), clients)
+        else:
+            self.moves = StepMoves(self._adam(delta), clients, self.cfg.lr * _norm(self.state["m"]))
 
     def _sgd(self, delta: list[Tensor]) -> Tensor:
         """The SGD(M) step; returns its length ``eta_s ||v_t||``."""
@@ -119,7 +142,7 @@ class ServerOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        self._moves = float(state.get("amplification", 1.0))
+        self.moves = StepMoves(float(state.get("amplification", 1.0)))
         self.state = {"step": int(state.get("step", 0))}
         for k, v in state.items():
             if isinstance(v, list):

@@ -202,3 +202,45 @@ def test_an_empty_poisson_cohort_keeps_the_model_and_is_accounted() -> None:
             assert not same
         assert dp.rounds == r + 1
     assert empty and moved  # both kinds of round happened (seeded: the same every run)
+
+
+def test_noise_norm_is_the_norm_of_a_direct_draw() -> None:
+    """``sigma C sqrt(d) / m``: 200 draws of the round's noise, ``sigma C z / m`` with ``z ~ N(0, I_d)``, d = 10^4,
+    have a mean norm within 0.1% of it (``E||z|| = sqrt(d) (1 - 1/(4d) + ...)``, spread ``1/sqrt(2)`` per draw)."""
+    sigma, clip, m, d = 3.0, 0.2, 4, 10_000
+    fed = make_fed(linear(), toy_data([10] * 8), [dp := _dp(clip=clip, noise_multiplier=sigma)], clients_per_round=m)
+    assert fed.num_clients == 8 and dp.noise_norm(d) == pytest.approx(sigma * clip * math.sqrt(d) / m, rel=1e-12)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.randn(200, d, generator=g, dtype=torch.float64) * sigma * clip / m
+    assert float(draws.norm(dim=1).mean()) == pytest.approx(dp.noise_norm(d), rel=1e-3)
+
+
+@pytest.mark.parametrize("sigma", [0.01, 30.0])
+def test_divergence_cause_claims_the_noise_only_when_it_outweighs_the_update(sigma: float) -> None:
+    """test_one_round_by_hand's round: ``fed.update_norm(1)`` is ``||sum_i clip(Delta_i)|| / m`` by hand (weights 1,
+    every client clipped: about C); d = 18. sigma 30: the noise's norm ``30 x 0.05 x sqrt(18) / 3`` = 2.12 outweighs
+    it, and the line names the levers; sigma 0.01: 7e-4 does not, no claim (the optimizer's cause stands)."""
+    sizes, m, clip = [20, 30, 25, 40, 35, 30], 3, 0.05
+    net = linear()
+    w0 = [p.detach().clone() for p in net.parameters()]
+    seen, dp = Uploads(), _dp(clip=clip, noise_multiplier=sigma)
+    fed = make_fed(net, toy_data(sizes), [seen, dp], clients_per_round=m, rounds=1, lr=0.5, local_steps=5)
+    run_rounds(fed, 1)
+    total = [torch.zeros_like(w, dtype=torch.float64) for w in w0]
+    for model in seen.models.values():
+        delta = [(t - w).double() for t, w in zip(model, w0)]
+        norm = math.sqrt(sum(float(d.square().sum()) for d in delta))
+        for acc, d in zip(total, delta):
+            acc += d * min(1.0, clip / norm)
+    update = math.sqrt(sum(float(t.square().sum()) for t in total)) / m
+    assert fed.update_norm(1) == pytest.approx(update, rel=1e-5)
+    noise = sigma * clip * math.sqrt(18) / m
+    if sigma < 1:
+        assert noise < update and dp.divergence_cause(fed, 1) is None
+        return
+    assert dp.divergence_cause(fed, 1) == (
+        f"the DP noise dominates the update: noise of std {sigma * clip / m:.3g} per coordinate on the global model "
+        f"per round (sigma 30 x clip 0.05 / m 3), norm {noise:.3g} over d = 18, against the round's mean clipped "
+        f"update of norm {fed.update_norm(1):.3g} (clip 0.05); lower privacy.noise_multiplier (now 30), lower "
+        "privacy.clip (now 0.05) or raise algo.clients_per_round (now 3)"
+    )

@@ -391,3 +391,34 @@ def test_clipped_sums_by_hand(mode: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     for a, b in zip([t[1] for t in two], tail):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_divergence_cause_weighs_the_noise_against_the_measured_update() -> None:
+    """Zero inputs, no bias: every row's gradient is 0, so the round's mean update is pure noise. Two clients of 20
+    rows (weights 1/2 each), K = 2 steps, B = 1, d = 15: the noise's norm in the mean update is
+    ``E = lr sigma C sqrt(d sum_i p_i^2 K_i / B_i^2) = lr sigma C sqrt(15)``, and ``E[U^2] = E^2`` for the measured
+    ``U = fed.update_norm(r)`` (a chi-square with 15 degrees of freedom per round: over 150 rounds the mean of
+    ``U^2 / E^2`` lies within 1 +- 3.3 sqrt(2 / 2250)). A pure-noise update is dominated (``2 E^2 > U^2`` unless
+    ``U`` is an outlier), and the line gives the per-step std ``sigma C / B`` and the levers."""
+    sigma, clip, lr, rounds = 1.5, 0.4, 0.2, 150
+    data = ClientStore(
+        torch.zeros(60, 5), torch.randint(0, 3, (60,)), [torch.arange(20 * i, 20 * i + 20) for i in range(3)]
+    )
+    dp = _dp(clip=clip, noise_multiplier=sigma)
+    fed = make_fed(linear(bias=False), data, [dp], clients_per_round=2, lr=lr, local_steps=2, batch_size=1)
+    expected = lr * sigma * clip * math.sqrt(15)
+    squares = []
+    for r in range(rounds):
+        run_rounds(fed, 1, start=r)
+        squares.append(fed.update_norm(r + 1) ** 2)
+    assert dp.noise_norm(15, lr, {0: 2, 1: 2}, {0: 20.0, 1: 20.0}) == pytest.approx(expected, rel=1e-12)
+    assert abs(sum(squares) / rounds / expected**2 - 1) < 3.3 * math.sqrt(2 / (15 * rounds))
+    update = fed.update_norm(rounds)
+    assert 2 * expected**2 > update**2
+    assert dp.divergence_cause(fed, rounds) == (
+        f"the DP noise dominates the update: each client's gradient gets noise of std {sigma * clip:.3g} per "
+        f"coordinate per step (sigma 1.5 x clip 0.4 / B 1), norm {sigma * clip * math.sqrt(15):.3g} over d = 15, "
+        f"~{expected:.3g} in the round's mean update of norm {update:.3g}; lower privacy.noise_multiplier (now 1.5), "
+        "lower privacy.clip (now 0.4) or raise algo.batch_size (now 1)"
+    )
+    assert dp.divergence_cause(fed, rounds + 5) is None  # a step this process did not measure: no claim

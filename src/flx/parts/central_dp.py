@@ -231,3 +231,36 @@ class CentralDP(Budgeted):
         self.rounds_run = int(state_dict.get("rounds_run", self.rounds))  # a checkpoint of before the key: as many
         if self.mechanism is not None:
             self.mechanism = dataclasses.replace(self.mechanism, noise_multiplier=self.sigma)
+
+    # ------------------------------------------------------------------ divergence
+    @override
+    def divergence_cause(self, fed: FederationView, step: int) -> str | None:
+        """The noise, when it dominates: its std on the global model per round, :math:`\\sigma_\\Delta C / \\bar m`
+        per coordinate, L2 norm :math:`\\sigma_\\Delta C \\sqrt d / \\bar m` (:meth:`noise_norm`) against the norm of
+        step ``step``'s mean clipped update (``fed.update_norm(step)``, at most :math:`C`); None when the noise is
+        smaller (the optimizer is the cause). The levers: the target (or the noise multiplier), the clip, the cohort."""
+        update, mech = fed.update_norm(step), self.mechanism
+        if update is None or mech is None:
+            return None
+        d, sigma, p = sum(t.numel() for t in fed.local_state), self._update_sigma(), self.params
+        noise = self.noise_norm(d)
+        if not noise > update:
+            return None
+        budget = (
+            f"raise privacy.target_epsilon (now {p.target_epsilon:g})"
+            if p.noise_multiplier is None
+            else f"lower privacy.noise_multiplier (now {p.noise_multiplier:g})"
+        )
+        return (
+            f"the DP noise dominates the update: noise of std {sigma * self.clip / mech.cohort:.3g} per coordinate on "
+            f"the global model per round (sigma {sigma:.3g} x clip {self.clip:.3g} / m {mech.cohort:g}), norm "
+            f"{noise:.3g} over d = {d}, against the round's mean clipped update of norm {update:.3g} (clip "
+            f"{self.clip:.3g}); {budget}, lower privacy.clip (now {p.clip:g}) or raise algo.clients_per_round "
+            f"(now {fed.cfg.clients_per_round:g})"
+        )
+
+    def noise_norm(self, d: int) -> float:
+        """The expected L2 norm of a round's noise on a global model of ``d`` entries,
+        :math:`\\sigma_\\Delta C \\sqrt d / \\bar m` (:math:`E\\lVert z \\rVert \\approx \\sqrt d` for
+        :math:`z \\sim \\mathcal N(0, I_d)`, to :math:`1/(4d)` relative)."""
+        return self._update_sigma() * self.clip * math.sqrt(d) / self.mechanism.cohort

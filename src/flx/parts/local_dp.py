@@ -345,6 +345,44 @@ class LocalDP(Budgeted):
         self.steps = {int(k): int(v) for k, v in state_dict["steps"].items()}
         self.rounds_run = int(state_dict.get("rounds_run", self.rounds))  # a checkpoint of before the key: as many
 
+    # ------------------------------------------------------------------ divergence
+    @override
+    def divergence_cause(self, fed: FederationView, step: int) -> str | None:
+        """The noise, when it dominates the round's mean update: each client's gradient gets noise of std
+        :math:`\\sigma C / B_i` per coordinate per step (:math:`B_i = \\min(B, n_i)`), L2 norm
+        :math:`\\sigma C \\sqrt d / B_i`; in the mean update its norm is about :meth:`noise_norm`. The measured norm
+        ``fed.update_norm(step)`` holds the noise too (:math:`U^2 \\approx S^2 + E^2`), so the noise dominates when
+        :math:`2 E^2 > U^2`; else None (the optimizer is the cause)."""
+        update, rnd = fed.update_norm(step), fed.rnd
+        if update is None or rnd is None or not self.sizes:
+            return None
+        d = sum(p.numel() for p in fed.params)
+        weights = {c: rnd.weights[c] * k for c, k in zip(rnd.cohort, rnd.multiplicity) if c in self.sizes}
+        noise = self.noise_norm(d, fed.cfg.lr, {c: fed.client_steps(c) for c in weights}, weights)
+        if not 2 * noise**2 > update**2:
+            return None
+        p, b = self.params, self.batch_size
+        budget = (
+            f"raise privacy.target_epsilon (now {p.target_epsilon:g})"
+            if p.noise_multiplier is None
+            else f"lower privacy.noise_multiplier (now {p.noise_multiplier:g})"
+        )
+        return (
+            f"the DP noise dominates the update: each client's gradient gets noise of std {self.sigma * p.clip / b:.3g}"
+            f" per coordinate per step (sigma {self.sigma:.3g} x clip {p.clip:g} / B {b}), norm "
+            f"{self.sigma * p.clip * d**0.5 / b:.3g} over d = {d}, ~{noise:.3g} in the round's mean update of norm "
+            f"{update:.3g}; {budget}, lower privacy.clip (now {p.clip:g}) or raise algo.batch_size (now {b})"
+        )
+
+    def noise_norm(self, d: int, lr: float, steps: dict[int, int], weights: dict[int, float]) -> float:
+        """The expected L2 norm of the noise in a round's mean update of ``d`` trainable entries, plain local SGD of
+        step size ``lr``: client :math:`i` (aggregation weight :math:`p_i`, normalised) adds
+        :math:`\\eta \\sum_k z_k \\sigma C / B_i` over its :math:`K_i` steps, so
+        :math:`E = \\eta \\sigma C \\sqrt{d \\sum_i p_i^2 K_i / B_i^2}`."""
+        total = sum(weights.values())
+        spread = sum((w / total) ** 2 * steps[c] / min(self.batch_size, self.sizes[c]) ** 2 for c, w in weights.items())
+        return lr * self.sigma * self.params.clip * (d * spread) ** 0.5
+
 
 def _call(net: nn.Module, state: dict[str, Tensor], x: Tensor) -> Tensor:
     """The net at ``state`` on one row ``x``, as a batch of one."""
