@@ -251,12 +251,17 @@ class CentralDP(Budgeted):
             if p.noise_multiplier is None
             else f"lower privacy.noise_multiplier (now {p.noise_multiplier:g})"
         )
+        clip = (  # adaptive clipping moves C towards a quantile of the update norms: that quantile is the lever
+            f"lower privacy.target_quantile (now {p.target_quantile:g}), or privacy.adaptive=false with a small "
+            f"privacy.clip (now {p.clip:g})"
+            if p.adaptive
+            else f"lower privacy.clip (now {p.clip:g})"
+        )
         return (
             f"the DP noise dominates the update: noise of std {sigma * self.clip / mech.cohort:.3g} per coordinate on "
             f"the global model per round (sigma {sigma:.3g} x clip {self.clip:.3g} / m {mech.cohort:g}), norm "
             f"{noise:.3g} over d = {d}, against the round's mean clipped update of norm {update:.3g} (clip "
-            f"{self.clip:.3g}); {budget}, lower privacy.clip (now {p.clip:g}) or raise algo.clients_per_round "
-            f"(now {fed.cfg.clients_per_round:g})"
+            f"{self.clip:.3g}); {budget}, {clip} or raise algo.clients_per_round (now {fed.cfg.clients_per_round:g})"
         )
 
     def noise_norm(self, d: int) -> float:
