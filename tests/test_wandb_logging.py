@@ -213,3 +213,5 @@ def test_privacy_epsilon_is_a_series_against_the_round(pfedfbe: Run) -> None:
     mech = privacy.Mechanism("poisson", 1.0, 4, 2)
     expected = [(float(t), privacy.epsilon(mech, t, 1e-5, "pld")) for t in (1, 2)]
     assert_points(run.series("privacy/epsilon"), expected, "privacy/epsilon")
+    # the summary says what the final line says: the epsilon spent and that every round was private
+    assert run.summary["final/epsilon"] == pytest.approx(expected[-1][1]) and run.summary["final/private"] == "all"
