@@ -1,5 +1,5 @@
-"""What the reproduction scripts share: the per-round curve figure, the mean ± std cell of a results table, the
-step-size search of ``--tune`` and the runner of ``--jobs``."""
+"""What the reproduction scripts share: the paper settings they run (``configs/experiment/``), the per-round curve
+figure, the mean ± std cell of a results table, the step-size search of ``--tune`` and the runner of ``--jobs``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import multiprocessing
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,57 @@ QUIET_CPU = [
     "num_threads=1",
 ]
 """Overrides of every reproduction run: no logger, bar or checkpoint, the CPU, one thread."""
+
+
+@cache
+def composed(*overrides: str) -> Any:
+    """The config ``overrides`` compose to (no checks, no run folder), e.g. ``composed("experiment=pfedfbe_lasso1")``:
+    where a script reads a setting's values (its step size, its rounds) from the experiment that holds them."""
+    from flx.config import compose_run
+
+    return compose_run(list(overrides), check=False)
+
+
+def own(algo: str, keys: Sequence[str]) -> list[str]:
+    """Overrides that give ``algo`` its own config's values of ``algo.<key>`` for each of ``keys``.
+
+    An experiment's values of some keys belong to its paper's method (pFedFBE's lambda 2000 is not pFedMe's lambda):
+    a baseline run in the experiment (``experiment=pfedfbe_lasso1 algo=pfedme``) takes its own instead; a key its
+    config lacks is removed (``~algo.lam``). A node (``regularizer``) is restored leaf by leaf."""
+    from omegaconf import OmegaConf
+
+    config = composed(f"algo={algo}").algo
+    out = []
+    for key in keys:
+        if OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
+            out.append(f"~algo.{key}")
+            continue
+        value = OmegaConf.to_container(config, resolve=False)
+        for part in key.split("."):
+            value = value[part]
+        out += [f"algo.{k}={_literal(v)}" for k, v in _leaves(key, value)]
+    return out
+
+
+_ABSENT = object()
+
+
+def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of ``value`` (a scalar or a list is one leaf)."""
+    if not isinstance(value, dict):
+        return [(key, value)]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+
+
+def _literal(value: Any) -> str:
+    """``value`` in Hydra's override syntax (strings quoted, interpolations kept)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_literal(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 def mean_std(values: Sequence[float], scale: float = 1.0, digits: int | None = None) -> str:

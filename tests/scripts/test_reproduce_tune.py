@@ -47,7 +47,7 @@ def test_pfedfbe_tune_selects_on_its_own_seed_and_reports_the_step_size(
     monkeypatch.setattr(pfedfbe, "BASE", list(pfedfbe.BASE))
     argv = ["--settings", "lasso1", "--methods", "FedAvg", "--rounds", "1", "--seeds", "0", "--tune"]
     pfedfbe.main([*argv, "--out", str(tmp_path)])
-    eta = pfedfbe.SETTINGS["lasso1"][3]
+    eta = pfedfbe.eta("lasso1")
     grid = [eta * f for f in pfedfbe.TUNE_FACTORS]
     tuned = json.loads((tmp_path / "tuned.json").read_text())["lasso1"]["FedAvg"]
     assert seen[:-1] == [(lr, common.TUNE_SEED) for lr in grid]  # the search, on the tuning seed only
