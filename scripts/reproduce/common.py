@@ -33,6 +33,32 @@ def composed(*overrides: str) -> Any:
     return compose_run(list(overrides), check=False)
 
 
+def config_key(overrides: Sequence[str]) -> str:
+    """A short hash of the resolved config ``overrides`` compose to, its run folder and name left out: what a run
+    store keys a run by, so that two command lines of the same run (``experiment=whale_digits`` or its keys spelled
+    out) find one stored result."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    cfg = composed(*overrides, "paths.output_dir=/flx-run-store").copy()
+    OmegaConf.set_struct(cfg, False)
+    del cfg["hydra"]
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("paths", "task_name"):
+        resolved.pop(key)
+    return hashlib.sha256(json.dumps(_floats(resolved), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _floats(value: Any) -> Any:
+    """``value`` with every integer a float: ``data.val_fraction=0`` and ``0.0`` are one run."""
+    if isinstance(value, dict):
+        return {k: _floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def own(algo: str, keys: Sequence[str]) -> list[str]:
     """Overrides that give ``algo`` its own config's values of ``algo.<key>`` for each of ``keys``.
 
