@@ -15,8 +15,9 @@ MNIST files). Every method runs in the experiment (`experiment=<name> algo=<meth
 (in its steps for the composite methods only) and its own lambda. Protocol: 30 generated clients x 128 rows
 (`partition=by_group`), 10 clients a round, R = 20 local steps, batch 50, 200 rounds, `h = 0.1 ||w||_1` or
 `0.1 ||W||_*`, float64, every client measured on 128 held-out rows of its own distribution
-(`client_eval=test_group`; the paper has no test rows); MNIST: 20 clients with 2 labels, R = 10, batch 20, 100 rounds, `h = mu sum_l ||W_l||_2` (mu = 1e-3: the paper gives none). pFedFBE: eta =
-5e-4, lambda = 2000 (MNIST 5e-3, 200). The paper tuned the baselines' step sizes and does not report them: with
+(`client_eval=test_group`; the paper has no test rows); MNIST: 20 clients with 2 labels, R = 10, batch 20, 100
+rounds, `h = mu sum_l ||W_l||_2` (mu = 1e-3: the paper gives none). pFedFBE: eta = 5e-4, lambda = 2000 (MNIST
+5e-3, 200). The paper tuned the baselines' step sizes and does not report them: with
 `--tune` each baseline's `algo.lr` is searched over `TUNE_FACTORS` x eta on a seed of its own (`common.TUNE_SEED`,
 none of the reported seeds) by the final training objective, and the table names the step size each method ran at
 (`tuned.json` holds every candidate's score); without it every method uses pFedFBE's eta (none diverges at it;
