@@ -10,7 +10,9 @@ Protocol (the paper's §VI-A and Table I): few-shot clients (``partition=few_sho
 after one SGD step of alpha on their support sets (``test/personal_acc_mean``), measured on the final model. The PM
 is trained on the server split (``data.server_fraction`` = 0.2, rows no client holds) at the start of each AugFL run.
 
-Settings (``--settings``): ``digits`` (the embedded 8x8 digits, 50 clients, M = 10: the paper's M = 20 needs more rows
+Settings (``--settings``), each an experiment that holds its protocol and AugFL's values (``augfl_digits``,
+``augfl_cifar10``, ``augfl_cifar100`` in configs/experiment/; every method runs in it, the PM AugFL w/ PM's alone):
+``digits`` (the embedded 8x8 digits, 50 clients, M = 10: the paper's M = 20 needs more rows
 than digits has; client MLP [200, 200], PM MLP [512, 512]: ResNet8x4 costs ~9 s a round on this 2-core CPU), and
 ``cifar10`` / ``cifar100`` (the paper's nets, ResNet8x4 client and ResNet32x4 PM; 50 / 100 clients, M = 20; skipped
 with a message when the files are not under ``paths.data_dir``). Methods: FedAvg (the global model, no adaptation),
@@ -40,39 +42,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_CPU, data_available, mean_std, plot_curves  # noqa: E402
+sys.path.insert(0, str(ROOT / "src"))  # flx, for the experiments' values
+from common import QUIET_CPU, composed, data_available, mean_std, own, plot_curves  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "augfl"
-BASE = [
-    *QUIET_CPU,
-    "data.val_fraction=0",  # the held-out clients are the evaluation; no validation split
-    "eval_test=true",
-    "partition=few_shot",
-    "partition.seed=${seed}",
-    "data.server_fraction=0.2",  # the same server split for every method (only AugFL with PM uses it)
-]
-# setting -> (label, overrides, PM model config, rounds, eval_every)
+BASE = [*QUIET_CPU]
+# setting -> (label, the experiment that holds its protocol and AugFL's values, configs/experiment/<name>.yaml)
 SETTINGS = {
-    "digits": ("digits (embedded 8x8), 50 clients, M = 10", ["data=digits", "model.hidden=[200,200]"], "mlp", 100, 10),
-    "cifar10": ("CIFAR-10, 50 clients, M = 20", ["data=cifar10", "model=resnet8x4"], "resnet32x4", 300, 10),
-    "cifar100": (
-        "CIFAR-100, 100 clients, M = 20",
-        ["data=cifar100", "model=resnet8x4", "partition.num_clients=100"],
-        "resnet32x4",
-        300,
-        10,
-    ),
+    "digits": ("digits (embedded 8x8), 50 clients, M = 10", "augfl_digits"),
+    "cifar10": ("CIFAR-10, 50 clients, M = 20", "augfl_cifar10"),
+    "cifar100": ("CIFAR-100, 100 clients, M = 20", "augfl_cifar100"),
 }
-PM_MODELS = {
-    "mlp": "{_target_:flx.models.nets.MLP,hidden:[512,512]}",
-    "resnet32x4": "{_target_:flx.models.resnet_cifar.ResNetCIFAR,depth:32}",
-}
-METHODS = {  # name -> overrides
-    "FedAvg": ["algo=fedavg_ft", "algo.adapt_steps=0"],
-    "FedAvg + FT": ["algo=fedavg_ft"],
-    "Per-FedAvg (FO)": ["algo=per_fedavg", "algo.hessian=none"],
-    "Per-FedAvg (HF)": ["algo=per_fedavg", "algo.hessian=fd"],
-    "AugFL w/o PM": ["algo=augfl", "algo.lam=0"],
+PM_KEYS = ["pm_model", "pm_pretrain"]  # the experiments' PM: AugFL w/ PM's alone, the other rows take their own
+METHODS = {  # name -> overrides (in the setting's experiment)
+    "FedAvg": ["algo=fedavg_ft", "algo.adapt_steps=0", *own("fedavg_ft", PM_KEYS)],
+    "FedAvg + FT": ["algo=fedavg_ft", *own("fedavg_ft", PM_KEYS)],
+    "Per-FedAvg (FO)": ["algo=per_fedavg", "algo.hessian=none", *own("per_fedavg", PM_KEYS)],
+    "Per-FedAvg (HF)": ["algo=per_fedavg", "algo.hessian=fd", *own("per_fedavg", PM_KEYS)],
+    "AugFL w/o PM": ["algo=augfl", "algo.lam=0", *own("augfl", PM_KEYS)],
     "AugFL w/ PM": ["algo=augfl"],
 }
 STEP_KEYS = {  # algo name -> (label, algo key) of the step sizes and weights the table names for its rows
@@ -115,7 +102,7 @@ def step_sizes(args: list[str]) -> str:
 
 
 def available(setting: str) -> bool:
-    return data_available(setting, [*BASE, *SETTINGS[setting][1]])
+    return data_available(setting, [*BASE, f"experiment={SETTINGS[setting][1]}"])
 
 
 def main(argv: list[str]) -> None:
@@ -140,14 +127,14 @@ def main(argv: list[str]) -> None:
     for setting in args.settings:
         if not available(setting):
             continue
-        label, data, pm, rounds, every = SETTINGS[setting]
-        rounds = args.rounds or (3 if args.quick else rounds)
-        every = min(every, rounds)
-        pm_over = [f"algo.pm_model={PM_MODELS[pm]}", "algo.pm_pretrain.epochs=60"]
+        label, name = SETTINGS[setting]
+        protocol = composed(f"experiment={name}")
+        rounds = args.rounds or (3 if args.quick else protocol.algo.rounds)
+        every = min(protocol.eval_every, rounds)
         table, curves = [], {}
         for method in args.methods:
             results = []
-            over = [*data, *METHODS[method], *(pm_over if method == "AugFL w/ PM" else []), *args.set]
+            over = [f"experiment={name}", *METHODS[method], *args.set]
             steps = step_sizes(over)
             for seed in seeds:
                 final, curve = run(over, seed, rounds, every)

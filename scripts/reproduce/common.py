@@ -1,5 +1,5 @@
-"""What the reproduction scripts share: the per-round curve figure, the mean ± std cell of a results table, the
-step-size search of ``--tune`` and the runner of ``--jobs``."""
+"""What the reproduction scripts share: the paper settings they run (``configs/experiment/``), the per-round curve
+figure, the mean ± std cell of a results table, the step-size search of ``--tune`` and the runner of ``--jobs``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import multiprocessing
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,83 @@ QUIET_CPU = [
     "num_threads=1",
 ]
 """Overrides of every reproduction run: no logger, bar or checkpoint, the CPU, one thread."""
+
+
+@cache
+def composed(*overrides: str) -> Any:
+    """The config ``overrides`` compose to (no checks, no run folder), e.g. ``composed("experiment=pfedfbe_lasso1")``:
+    where a script reads a setting's values (its step size, its rounds) from the experiment that holds them."""
+    from flx.config import compose_run
+
+    return compose_run(list(overrides), check=False)
+
+
+def config_key(overrides: Sequence[str]) -> str:
+    """A short hash of the resolved config ``overrides`` compose to, its run folder and name left out: what a run
+    store keys a run by, so that two command lines of the same run (``experiment=whale_digits`` or its keys spelled
+    out) find one stored result."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    cfg = composed(*overrides, "paths.output_dir=/flx-run-store").copy()
+    OmegaConf.set_struct(cfg, False)
+    del cfg["hydra"]
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("paths", "task_name"):
+        resolved.pop(key)
+    return hashlib.sha256(json.dumps(_floats(resolved), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _floats(value: Any) -> Any:
+    """``value`` with every integer a float: ``data.val_fraction=0`` and ``0.0`` are one run."""
+    if isinstance(value, dict):
+        return {k: _floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def own(algo: str, keys: Sequence[str]) -> list[str]:
+    """Overrides that give ``algo`` its own config's values of ``algo.<key>`` for each of ``keys``.
+
+    An experiment's values of some keys belong to its paper's method (pFedFBE's lambda 2000 is not pFedMe's lambda):
+    a baseline run in the experiment (``experiment=pfedfbe_lasso1 algo=pfedme``) takes its own instead; a key its
+    config lacks is removed (``~algo.lam``). A node (``regularizer``) is restored leaf by leaf."""
+    from omegaconf import OmegaConf
+
+    config = composed(f"algo={algo}").algo
+    out = []
+    for key in keys:
+        if OmegaConf.select(config, key, default=_ABSENT) is _ABSENT:
+            out.append(f"~algo.{key}")
+            continue
+        value = OmegaConf.to_container(config, resolve=False)
+        for part in key.split("."):
+            value = value[part]
+        out += [f"algo.{k}={_literal(v)}" for k, v in _leaves(key, value)]
+    return out
+
+
+_ABSENT = object()
+
+
+def _leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of ``value`` (a scalar or a list is one leaf)."""
+    if not isinstance(value, dict):
+        return [(key, value)]
+    return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+
+
+def _literal(value: Any) -> str:
+    """``value`` in Hydra's override syntax (strings quoted, interpolations kept)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_literal(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
 def mean_std(values: Sequence[float], scale: float = 1.0, digits: int | None = None) -> str:

@@ -5,7 +5,8 @@
     .venv/bin/python scripts/reproduce/drfa.py --data fashion_mnist   # the paper's data (files under data/)
     .venv/bin/python scripts/reproduce/drfa.py --tune     # eta, gamma and q tuned first, as the paper's Appendix A
 
-Protocol (paper Sec. 6, Figs. 1-2): N=10 clients, each holding one class (`partition=one_class_per_client`),
+Protocol (paper Sec. 6, Figs. 1-2; the experiment ``drfa_digits``, configs/experiment/drfa_digits.yaml, holds it and
+DRFA's values, and every method runs in it): N=10 clients, each holding one class (`partition=one_class_per_client`),
 each measured on the test rows of its class (`client_eval=test_labels`), logistic regression started from zeros
 (`model.init=zeros`, as in the authors' code; the paper does not say), eta 0.1, batch 50, m = N,
 gamma 8e-3 for DRFA and AFL, q 0.2 for q-FedAvg, tau in {5, 10, 15} for DRFA and tau 10 for the baselines; AFL is
@@ -47,27 +48,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_CPU, TUNE_SEED, save_tuned, tune  # noqa: E402
+sys.path.insert(0, str(ROOT / "src"))  # flx, for the experiment's values
+from common import QUIET_CPU, TUNE_SEED, composed, own, save_tuned, tune  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "drfa"
-DATA = {"digits": ["data=digits"], "fashion_mnist": ["data=fashion_mnist"]}
-BASE = [
-    "model=logreg",
-    "model.init=zeros",  # w^0 = 0: the paper is silent, the authors' FedTorch logistic regression starts from zeros
-    "partition=one_class_per_client",
-    "partition.test_fraction=0",  # clients train on their whole class ...
-    "client_eval=test_labels",  # ... and are evaluated on the global test rows of it (per-class accuracy)
-    "algo.batch_size=50",
-    "algo.clients_per_round=10",
-    "algo.weighting=uniform",
-    *QUIET_CPU,
-    # max_i f_i of the global model on the training rows (the DRFA objective) for every method, baselines included
-    "++algo.parts.client_loss._target_=flx.parts.client_loss.ClientLoss",
-    # the paper has no validation split: clients train on their whole class and the curves are test accuracy per
-    # round (eval_test: the test split inside the validation loop, plotted and tabulated here, never used to select)
-    "data.val_fraction=0",
-    "eval_test=true",
-]
+EXPERIMENT = "drfa_digits"  # the study's protocol and DRFA's values (configs/experiment/drfa_digits.yaml)
+DATA = {"digits": [], "fashion_mnist": ["data=fashion_mnist"]}  # --data: the experiment's digits or the paper's data
+BASE = [f"experiment={EXPERIMENT}", *QUIET_CPU]
 FEDTORCH = ["algo.sampling=uniform_weighted", "algo.gamma_decay=0.9", "algo.lambda_floor=1e-3"]
 METHODS = {  # name -> (tau, overrides, its hyper-parameter besides eta: gamma, q or none)
     "DRFA": (10, ["algo=drfa"], "gamma"),
@@ -75,11 +62,14 @@ METHODS = {  # name -> (tau, overrides, its hyper-parameter besides eta: gamma, 
     "DRFA tau=15": (15, ["algo=drfa"], "gamma"),
     "DRFA, authors' code options": (10, ["algo=drfa", *FEDTORCH, "algo.lambda_init=num_samples"], "gamma"),
     "AFL": (1, ["algo=afl"], "gamma"),
-    "q-FedAvg": (10, ["algo=qfedavg"], "q"),
-    "FedAvg": (10, ["algo=fedavg"], None),
+    # the experiment's gamma is DRFA's (and AFL's): the others have none
+    "q-FedAvg": (10, ["algo=qfedavg", *own("qfedavg", ["gamma"])], "q"),
+    "FedAvg": (10, ["algo=fedavg", *own("fedavg", ["gamma"])], None),
 }
 SHARES = {"DRFA tau=5": "DRFA", "DRFA tau=15": "DRFA", "DRFA, authors' code options": "DRFA"}  # rows at DRFA's gamma
-PAPER = {"lr": 0.1, "gamma": 8e-3, "q": 0.2}  # Sec. 6 (Fashion-MNIST): eta for all, gamma for DRFA and AFL, q
+PROTOCOL = composed(f"experiment={EXPERIMENT}")
+# Sec. 6 (Fashion-MNIST): eta for all and gamma for DRFA and AFL (the experiment's), q for q-FedAvg
+PAPER = {"lr": float(PROTOCOL.algo.lr), "gamma": float(PROTOCOL.algo.gamma), "q": 0.2}
 # --tune (the paper's Appendix A procedure; it gives no grids): about half-decade grids through the values of PAPER,
 # spanning those it reports elsewhere (eta 0.8; gamma 0.01, 0.2; q 0.1, 0.5); ties go to PAPER's value
 TUNE_LR = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -146,7 +136,7 @@ def main(argv: list[str]) -> None:
     )
     args = parser.parse_args(argv)
     OUT = Path(args.out) if args.out else OUT
-    seeds, rounds = ([0], 4) if args.quick else ([0, 1, 2], 200)
+    seeds, rounds = ([0], 4) if args.quick else ([0, 1, 2], PROTOCOL.algo.rounds)
     seeds = args.seeds if args.seeds is not None else seeds
     rounds = args.rounds or rounds
     early = max(1, rounds // 4)

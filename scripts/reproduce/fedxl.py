@@ -6,7 +6,8 @@
                                                            # the paper's data (files under data/), 20k iterations
     .venv/bin/python scripts/reproduce/fedxl.py --tune     # every method's step size (and lambda) tuned first
 
-Protocol (paper Sec. 4): N=16 clients (stratified shards) with per-client input noise
+Protocol (paper Sec. 4; the experiments ``fedxl2_digits`` (Table 2) and ``fedxl1_digits`` (Table 3) hold it, every
+method runs in its table's): N=16 clients (stratified shards) with per-client input noise
 N(-0.08 + 0.01 i, 0.2^2), K=32 local steps, B1=B2=32, the same seeds for every method; the data, their split and
 the partition are fixed (``data.split_seed``, ``partition.seed``), the seeds vary initialisation and sampling. As
 the paper (its Sec. 4 and Table 5), 20% of the training rows are held out for validation (``data.val_fraction=0.2``,
@@ -43,39 +44,26 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TUNE_SEED, save_tuned, tune  # noqa: E402
+sys.path.insert(0, str(ROOT / "src"))  # flx, for the experiments' values
+from common import TUNE_SEED, composed, save_tuned, tune  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "fedxl"
 COMMAND = "python scripts/reproduce/fedxl.py"  # set by main(): the command line printed above each table
-DATA = {  # --data: the embedded default, and the paper's datasets where their files are present
-    "digits": [
-        "data=digits_binary",
-        "data.loader.positive=[3,5,8]",  # confusable digits: a harder ranking task than 0/1 vs rest
-        "model=logreg",
-    ],
-    "cifar10": ["data=cifar10_binary", "model=resnet18"],  # classes 0-4 positive, 1:5 (LibAUC style)
-    "cifar100": ["data=cifar100_binary", "model=resnet18"],
-    "chestmnist": ["data=chestmnist", "model=resnet18"],  # label Mass (column 4)
+# the tables' settings: the protocol and the table's metric (checkpoint.monitor), configs/experiment/<name>.yaml
+EXPERIMENTS = {"table2": "fedxl2_digits", "table3": "fedxl1_digits"}
+DATA = {  # --data: the experiments' embedded digits, and the paper's datasets where their files are present
+    "digits": [],
+    # the experiments' digits-only choice (positive classes 3, 5, 8) is dropped: the loader's own default (null:
+    # classes 0-4 positive, 1:5, LibAUC style) or, for ChestMNIST (label Mass, column 4), no such key
+    "cifar10": ["data=cifar10_binary", "model=resnet18", "data.loader.positive=null"],
+    "cifar100": ["data=cifar100_binary", "model=resnet18", "data.loader.positive=null"],
+    "chestmnist": ["data=chestmnist", "model=resnet18", "~data.loader.positive"],
 }
-BASE = [
-    "partition=stratified",  # each class cut into N equal shards (the authors' split)
-    "partition.num_clients=16",
-    "algo.local_steps=32",
-    "logger=none",
-    "trainer.enable_progress_bar=false",
-    "trainer.accelerator=cpu",
-    "num_threads=1",
-    # the paper's model selection: 20% of the training rows for validation, the best validated round tested; the
-    # per-round test curve (eval_test) is plotted only, never used to pick a model
-    "data.val_fraction=0.2",
-    "test_on=best",
-    "eval_test=true",
-    # the paper's heterogeneity: client i's training inputs get N(-0.08 + 0.01 i, 0.2^2) noise, every method
-    "+algo.parts.noise._target_=flx.parts.client_noise.ClientNoise",
-]
+BASE = ["logger=none", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu", "num_threads=1"]
 TABLE2 = {  # method -> overrides (pAUC task, KL-OPAUC loss for the X-risk methods)
     "FeDXL2": ["algo=fedxl2"],
     "Local Pair": ["algo=fedxl_localpair"],
@@ -107,6 +95,11 @@ TABLE3 = {  # AUROC with 20% flipped training labels, symmetric PSM loss for the
         "algo.clients_per_round=1",
     ],
 }
+
+
+def setting(name: str) -> Any:
+    """The composed experiment of the table ``name`` (``table2``, ``table3``)."""
+    return composed(f"experiment={EXPERIMENTS[name]}")
 
 
 def run(overrides: list[str], seed: int, rounds: int) -> tuple[dict[str, float], dict]:
@@ -180,9 +173,8 @@ def table(
     tuned: bool = False,
 ) -> dict[str, list]:
     """Runs every method of ``methods`` (at its tuned values with ``tuned``, else its config's) on ``seeds`` with the
-    overrides ``extra``, tests the round that is best on ``metric`` (the paper's model selection) and writes the table
-    ``name``; returns seed 0's curves."""
-    extra = [*extra, f"checkpoint.monitor={metric}"]
+    overrides ``extra`` (the table's experiment), tests the round that is best on ``metric`` (the experiment's
+    ``checkpoint.monitor``: the paper's model selection) and writes the table ``name``; returns seed 0's curves."""
     rows, curves = [], {}
     for method, overrides in methods.items():
         chosen = tune_method(name, method, overrides, extra, metric, rounds) if tuned else defaults(overrides, extra)
@@ -270,7 +262,7 @@ def main(argv: list[str]) -> None:
     BASE.extend(args.set)
     OUT = Path(args.out) if args.out else OUT
     COMMAND = shlex.join(["python", "scripts/reproduce/fedxl.py", *argv])
-    seeds, rounds = ([0], 3) if args.quick else ([0, 1, 2], 15)
+    seeds, rounds = ([0], 3) if args.quick else ([0, 1, 2], setting("table2").algo.rounds)  # both tables': 15
     seeds = args.seeds if args.seeds is not None else seeds
     rounds = args.rounds or rounds
     TABLE2["CODASCA"].append(f"algo.t0={max(1, rounds * 32 // 5)}")  # 5 stages, as 20000 / 4000 in the code
@@ -278,11 +270,12 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     if "table2" in args.tables:
         keys2 = ["test/pauc_0.3", "test/pauc_0.5"]
-        curves = table("table2", _pick(TABLE2, args.methods), [], "val/pauc_0.3", keys2, seeds, rounds, args.tune)
+        exp, metric = [f"experiment={EXPERIMENTS['table2']}"], setting("table2").checkpoint.monitor
+        curves = table("table2", _pick(TABLE2, args.methods), exp, metric, keys2, seeds, rounds, args.tune)
         plot(curves, "test/pauc_0.3", OUT / "convergence.png")
     if "table3" in args.tables:
-        methods = _pick(TABLE3, args.methods)
-        table("table3", methods, ["data.loader.flip_rate=0.2"], "val/auroc", ["test/auroc"], seeds, rounds, args.tune)
+        exp, metric = [f"experiment={EXPERIMENTS['table3']}"], setting("table3").checkpoint.monitor
+        table("table3", _pick(TABLE3, args.methods), exp, metric, ["test/auroc"], seeds, rounds, args.tune)
     if TUNED:
         save_tuned(OUT / "tuned.json", TUNED)
     print(*((OUT / f"{t}.md").read_text() for t in args.tables), sep="\n")

@@ -7,13 +7,17 @@
     .venv/bin/python scripts/reproduce/pfedfbe.py --tune                 # the baselines' step sizes tuned first
     .venv/bin/python scripts/reproduce/pfedfbe.py --tune --jobs 2        # 2 runs at once (the same numbers)
 
-Settings (`--settings`): `lasso1`, `lasso2` (federated Lasso (I) and (II), §4.1), `matrix` (matrix completion, §4.2)
-and `mnist` (the MLP with a nonsmooth l2 norm on its weights, §4.3, on the embedded 8x8 digits; `--set data=mnist`
-takes the MNIST files). Protocol: 30 generated clients x 128 rows (`partition=by_group`), 10 clients a round, R = 20
-local steps, batch 50, 200 rounds, `h = 0.1 ||w||_1` or `0.1 ||W||_*`, float64, every client measured on 128
-held-out rows of its own distribution (`client_eval=test_group`; the paper has no test rows); MNIST: 20 clients with
-2 labels, R = 10, batch 20, 100 rounds, `h = mu sum_l ||W_l||_2` (mu = 1e-3: the paper gives none). pFedFBE: eta =
-5e-4, lambda = 2000 (MNIST 5e-3, 200). The paper tuned the baselines' step sizes and does not report them: with
+Settings (`--settings`), each an experiment that holds its protocol and pFedFBE's values (`configs/experiment/`,
+`python train.py experiment=<name>` runs pFedFBE in it): `lasso1`, `lasso2` (federated Lasso (I) and (II), §4.1;
+`pfedfbe_lasso1`, `pfedfbe_lasso2`), `matrix` (matrix completion, §4.2; `pfedfbe_matrix`) and `mnist` (the MLP with a
+nonsmooth l2 norm on its weights, §4.3, on the embedded 8x8 digits; `pfedfbe_digits`; `--set data=mnist` takes the
+MNIST files). Every method runs in the experiment (`experiment=<name> algo=<method>`), with the experiment's `h`
+(in its steps for the composite methods only) and its own lambda. Protocol: 30 generated clients x 128 rows
+(`partition=by_group`), 10 clients a round, R = 20 local steps, batch 50, 200 rounds, `h = 0.1 ||w||_1` or
+`0.1 ||W||_*`, float64, every client measured on 128 held-out rows of its own distribution
+(`client_eval=test_group`; the paper has no test rows); MNIST: 20 clients with 2 labels, R = 10, batch 20, 100
+rounds, `h = mu sum_l ||W_l||_2` (mu = 1e-3: the paper gives none). pFedFBE: eta = 5e-4, lambda = 2000 (MNIST
+5e-3, 200). The paper tuned the baselines' step sizes and does not report them: with
 `--tune` each baseline's `algo.lr` is searched over `TUNE_FACTORS` x eta on a seed of its own (`common.TUNE_SEED`,
 none of the reported seeds) by the final training objective, and the table names the step size each method ran at
 (`tuned.json` holds every candidate's score); without it every method uses pFedFBE's eta (none diverges at it;
@@ -27,7 +31,7 @@ objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.parts.objectiv
 objective `mean_j f_j(theta_j) + h(theta_j)` and pFedFBE's envelope objective (Eq. 7), the support scores (Lasso:
 global model in (I), personalised models in (II), as the paper), the rank and recovery error of the personalised
 models (matrix completion), the global and personalised test metric, mean ± std over seeds; and the curves, a point
-every 5 rounds (``EVAL_EVERY``; every round when 5 does not divide the rounds).
+every 5 rounds (the experiments' ``eval_every``; every round when 5 does not divide the rounds).
 """
 
 from __future__ import annotations
@@ -42,40 +46,21 @@ import sys
 import tempfile
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "src"))  # flx, here and in the --jobs workers (they import this module)
-from common import QUIET_CPU, TUNE_SEED, executor, mean_std, plot_curves, save_tuned, tune  # noqa: E402
+from common import QUIET_CPU, TUNE_SEED, composed, executor, mean_std, own, plot_curves, save_tuned, tune  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "pfedfbe"
-BASE = [
-    "algo.clients_per_round=10",
-    "algo.weighting=uniform",
-    *QUIET_CPU,
-    "data.val_fraction=0",  # no validation split in the paper: per-round test curves (eval_test), never used to select
-    "eval_test=true",
-    "+algo.parts.objective._target_=flx.parts.objective.Objective",
-]
-SYNTHETIC = ["algo.local_steps=20", "algo.batch_size=50", "client_eval=test_group", "trainer.precision=64-true"]
-STRUCTURE = ["+algo.parts.structure._target_=flx.parts.structure.Structure"]
-L1 = "{name:l1,mu:0.1,params:[linear.weight]}"
-NUCLEAR = "{name:nuclear,mu:0.1,shape:[32,32],params:[linear.weight]}"
-GROUP_L2 = "{name:group_l2,mu:0.001,params:['*weight']}"
-# setting -> (label, overrides, h, eta, lambda, rounds, methods)
+BASE = [*QUIET_CPU]
+# setting -> (label, the experiment that holds it: configs/experiment/<name>.yaml, pFedFBE at the paper's values)
 SETTINGS = {
-    "lasso1": ("Lasso (I)", ["data=lasso_synthetic", "data.setting=1", *SYNTHETIC, *STRUCTURE], L1, 5e-4, 2000, 200),
-    "lasso2": ("Lasso (II)", ["data=lasso_synthetic", "data.setting=2", *SYNTHETIC, *STRUCTURE], L1, 5e-4, 2000, 200),
-    "matrix": ("matrix completion", ["data=matrix_completion", *SYNTHETIC, *STRUCTURE], NUCLEAR, 5e-4, 2000, 200),
-    "mnist": (
-        "MNIST-like (digits, 2 labels a client)",
-        ["data=digits", "partition=two_labels", "model=mlp", "model.hidden=[100]", "algo.local_steps=10"]
-        + ["algo.batch_size=20"],
-        GROUP_L2,
-        5e-3,
-        200,
-        100,
-    ),
+    "lasso1": ("Lasso (I)", "pfedfbe_lasso1"),
+    "lasso2": ("Lasso (II)", "pfedfbe_lasso2"),
+    "matrix": ("matrix completion", "pfedfbe_matrix"),
+    "mnist": ("MNIST-like (digits, 2 labels a client)", "pfedfbe_digits"),
 }
 METHODS = {  # name -> (algo, uses h in its steps, settings it runs in)
     "FedAvg": ("fedavg_personal", False, ("lasso1", "lasso2", "matrix", "mnist")),
@@ -91,9 +76,6 @@ METHODS = {  # name -> (algo, uses h in its steps, settings it runs in)
 }
 DEFAULT_METHODS = [m for m in METHODS if m != "FedMiD (no server prox)"]
 SUPPORT = ("support_f1", "support_precision", "support_recall", "density")
-# the global and personalised models are evaluated every 5 rounds (the curves' points): pFedMe's personalised model
-# is solved to tolerance at every evaluation (~3.5 s a round on Lasso II, 30 clients); training does not depend on it
-EVAL_EVERY = 5
 # --tune: each baseline's step size algo.lr over these multiples of pFedFBE's eta (the paper: "we tune the step sizes
 # of the baselines", values not reported), on seed TUNE_SEED, by the final training objective F(w) (its figures' main
 # panel); pFedFBE keeps the paper's eta. Larger multiples diverge on the generated data (L ~ 1e3, eta <= ~1e-3)
@@ -103,23 +85,32 @@ TUNE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 TUNE_ONLY = {"pFedMe": ["algo.personal=stored"]}
 
 
+def experiment(setting: str) -> Any:
+    """The composed experiment of ``setting`` (its paper values: ``.algo.lr`` is eta, ``.algo.rounds`` the rounds)."""
+    return composed(f"experiment={SETTINGS[setting][1]}")
+
+
+def eta(setting: str) -> float:
+    """pFedFBE's step size in ``setting`` (the paper's): every method's without ``--tune``."""
+    return float(experiment(setting).algo.lr)
+
+
 def overrides(setting: str, method: str, lr: float | None = None) -> list[str]:
-    """The command-line overrides of one run (besides seed, rounds and the output folder); ``lr``: the method's step
-    size (default: pFedFBE's eta of the setting)."""
-    _, data, h, eta, lam, _ = SETTINGS[setting]
+    """The command-line overrides of one run (besides seed, rounds and the output folder): the setting's experiment,
+    the method, and ``lr`` (the method's step size; default: the experiment's, pFedFBE's eta). Every method runs in
+    the experiment's protocol and with its ``h``; lambda is pFedFBE's alone, and ``h`` is in the steps of the
+    composite methods only: the others take their own config's values of these keys."""
     algo, composite, _ = METHODS[method]
-    out = [f"algo={algo}", *data, f"algo.lr={lr or eta}", f"+algo.parts.objective.regularizer={h}"]
-    if composite:
-        out.append(f"algo.regularizer={h}")
+    out = [f"experiment={SETTINGS[setting][1]}", f"algo={algo}", f"algo.lr={lr or eta(setting)}"]
+    if method != "pFedFBE":
+        out += own(algo, ["lam", *(() if composite else ("regularizer",))])
     if method.startswith(("FedMiD", "FedDualAvg")):  # no personalisation: the global model is the personalised one
         out += ["+algo.parts.personal_model._target_=flx.parts.personal_model.PersonalModel"]
         out += ["+algo.parts.personal_model.model=global"]  # (Sec. 4.1)
     if method == "FedMiD (no server prox)":
         out.append("algo.server_prox=false")
-    if method == "pFedFBE":
-        out.append(f"algo.lam={lam}")
     if method == "pFedMe" and setting != "mnist":
-        out.append(f"algo.personal_lr={eta}")  # nu: the default 0.09 diverges when L ~ 1e3
+        out.append(f"algo.personal_lr={eta(setting)}")  # nu: the default 0.09 diverges when L ~ 1e3
     return out
 
 
@@ -127,10 +118,11 @@ def run(args: list[str], seed: int, rounds: int) -> tuple[dict, dict]:
     from flx.config import precheck
     from flx.run import train
 
+    name = next(a.split("=", 1)[1] for a in args if a.startswith("experiment="))
     with tempfile.TemporaryDirectory() as out:
-        # evaluated every EVAL_EVERY rounds if that divides the rounds (the last is always evaluated: the tables'
-        # values), else every round
-        every = f"eval_every={math.gcd(EVAL_EVERY, rounds)}"
+        # evaluated every eval_every rounds of the experiment (5) if that divides the rounds (the last is always
+        # evaluated: the tables' values), else every round
+        every = f"eval_every={math.gcd(composed(f'experiment={name}').eval_every, rounds)}"
         cfg = precheck([*BASE, every, *args, f"seed={seed}", f"algo.rounds={rounds}", f"paths.output_dir={out}"])
         final = train(cfg)
         curves = json.loads((Path(out) / "curves.json").read_text())
@@ -195,7 +187,7 @@ def main(argv: list[str]) -> None:
         for method, (_, _, where) in METHODS.items()
         if setting in where and method in args.methods
     ]
-    n_of = {setting: rounds or SETTINGS[setting][5] for setting in args.settings}
+    n_of = {setting: rounds or experiment(setting).algo.rounds for setting in args.settings}
     pool = executor(args.jobs)
     # every tuning run first (each baseline's grid, on TUNE_SEED), then each method's reported runs once its step
     # size is chosen: with --jobs the pool never waits for one method's tuning while others are queued
@@ -211,7 +203,7 @@ def main(argv: list[str]) -> None:
     tuned: dict[str, dict] = {}
     reported = {}
     for setting, method in plan:
-        lr = SETTINGS[setting][3]
+        lr = eta(setting)
         if (setting, method) in searches:
             lr = _tune(setting, method, n_of[setting], searches[(setting, method)], tuned)
         runs = [pool.submit(run, [*args.set, *overrides(setting, method, lr)], seed, n_of[setting]) for seed in seeds]
@@ -245,7 +237,7 @@ def main(argv: list[str]) -> None:
 
 def _grid(setting: str) -> list[float]:
     """The step sizes ``--tune`` tries in ``setting``: :data:`TUNE_FACTORS` x pFedFBE's eta."""
-    return [SETTINGS[setting][3] * f for f in TUNE_FACTORS]
+    return [eta(setting) * f for f in TUNE_FACTORS]
 
 
 def _tune(setting: str, method: str, rounds: int, runs: dict[float, Future], tuned: dict[str, dict]) -> float:

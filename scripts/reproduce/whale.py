@@ -31,14 +31,16 @@ evaluated round whose test accuracy reaches the target; "not reached" otherwise 
 rounds). Speedups are per seed (base time / WHALE time, or FedAvg time / method time in Table 3), mean ± std over the
 seeds where both reached the target. **Final accuracy** is the test accuracy of the last round's global model.
 
-Settings (``--settings``):
+Settings (``--settings``), each an experiment that holds its protocol (``whale_digits``, ``whale_mnist``,
+``whale_cifar10`` in configs/experiment/, WHALE-FL at sigma = 2; every method runs in it, ``--sigma`` sets
+``partition.classes_per_client``):
 
 - ``digits`` (default): the embedded 8x8 digits (1,437 training rows, ~72 a client), ``model=cnn_scalable`` with
   widths [32, 64, 128, 256] (half the paper's [64, 128, 256, 512], for CPU cost; the simulated time does not depend
   on it), 30 rounds (for CPU cost; FedAvg is at ~97% after 10), test every round, target 85% (the paper's MNIST
   target; Table 3: 85 / 90 / 95% for sigma = 2 / 5 / 10, the paper's). Cost on the 2-core CPU: ~1.3 s a round for
   FedAvg and the fixed-width baselines, ~4 s for the WHALE variants (the exact per-sample Fisher on every batch), so
-  a sigma (7 methods x 3 seeds) takes ~25 min. Runs are stored in ``OUT/runs/`` by their overrides: a second call
+  a sigma (7 methods x 3 seeds) takes ~25 min. Runs are stored in ``OUT/runs/`` by their resolved config: a second call
   reads them back, so the sweep resumes after an interruption and several processes (e.g. one per ``--sigma``) can
   fill the store before one call with every sigma writes the tables;
 - ``mnist``: ``data=mnist``, the paper's CNN [64, 128, 256, 512], 200 rounds, test every 2 rounds, targets as digits;
@@ -68,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import math
 import os
@@ -81,22 +82,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_CPU, data_available, mean_std, plot_curves  # noqa: E402
+sys.path.insert(0, str(ROOT / "src"))  # flx, for the experiments' values
+from common import QUIET_CPU, composed, config_key, data_available, mean_std, plot_curves  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "whale"
-BASE = [
-    *QUIET_CPU,
-    "data.val_fraction=0",  # the test split is the per-round evaluation
-    "eval_test=true",
-    "system=mobile20",
-    "partition.num_clients=20",  # partition=shards comes with algo=whale and its variants
-]
+BASE = [*QUIET_CPU]
 PAPER_TARGETS = {2: 0.85, 5: 0.90, 10: 0.95}  # Table 3 (CNN@MNIST); sigma = 2 is Table 1's MNIST target
-# setting -> (label, overrides, rounds, eval_every, targets per sigma (None: PAPER_TARGETS), default target)
+# setting -> (label, the experiment that holds its protocol: configs/experiment/<name>.yaml, WHALE at sigma = 2)
 SETTINGS = {
-    "digits": ("digits (embedded 8x8), CNN [32,64,128,256]", ["data=digits", "model.widths=[32,64,128,256]"], 30, 1),
-    "mnist": ("MNIST, CNN [64,128,256,512]", ["data=mnist"], 200, 2),
-    "cifar10": ("CIFAR-10, ResNet18", ["data=cifar10", "model=resnet18_scalable", "algo.lr=0.1"], 200, 5),
+    "digits": ("digits (embedded 8x8), CNN [32,64,128,256]", "whale_digits"),
+    "mnist": ("MNIST, CNN [64,128,256,512]", "whale_mnist"),
+    "cifar10": ("CIFAR-10, ResNet18", "whale_cifar10"),
 }
 TARGETS = {"digits": PAPER_TARGETS, "mnist": PAPER_TARGETS, "cifar10": {}}
 DEFAULT_TARGET = {"digits": 0.85, "mnist": 0.85, "cifar10": 0.70}
@@ -119,15 +115,16 @@ QUICK = ["model.widths=[8,16,32,64]", "algo.fisher=max_tensor_mean", "algo.u_th=
 
 
 def run(args: list[str], seed: int, sigma: int, rounds: int, every: int, train_missing: bool = True) -> tuple | None:
-    """One training run; its result is kept in ``OUT/runs/`` under its overrides, and a later call with the same
-    overrides reads it back (so the sweep resumes, and several processes can fill the store for one table)."""
+    """One training run of ``args`` (the experiment, the method, extra overrides); its result is kept in ``OUT/runs/``
+    under its resolved config (:func:`common.config_key`), and a later call of the same run reads it back (so the
+    sweep resumes, and several processes can fill the store for one table). The experiment gives every method of a
+    seed the same partition and device trace (``partition.seed``, ``system.trace_seed``: ``${seed}``)."""
     from flx.config import precheck
     from flx.run import train
 
-    # algo= first (it selects partition/model defaults), then the protocol's overrides on top
-    over = [*args[:1], *BASE, *args[1:], f"partition.classes_per_client={sigma}", f"partition.seed={seed}"]
-    over += [f"system.trace_seed={seed}", f"seed={seed}", f"algo.rounds={rounds}", f"eval_every={every}"]
-    key = hashlib.sha256(json.dumps(over).encode()).hexdigest()[:16]
+    over = [*BASE, *args, f"partition.classes_per_client={sigma}", f"seed={seed}", f"algo.rounds={rounds}"]
+    over.append(f"eval_every={every}")
+    key = config_key(over)
     stored = OUT / "runs" / f"{key}.json"
     if stored.exists():
         record = json.loads(stored.read_text())
@@ -220,15 +217,15 @@ def plot_levels(path: Path, title: str, curves: dict[str, dict], levels: int = 5
 
 
 def step_size(args: list[str]) -> str:
-    """The local SGD step size and momentum a run with ``args`` (``algo=`` first) takes from its config."""
+    """The local SGD step size and momentum a run with ``args`` takes from its config."""
     from flx.config import precheck
 
-    algo = precheck([*args[:1], *BASE, *args[1:], "paths.output_dir=/tmp/flx_whale_step_size"]).algo
+    algo = precheck([*BASE, *args, "paths.output_dir=/tmp/flx_whale_step_size"]).algo
     return f"{float(algo.lr):g} (momentum {float(algo.momentum):g})"
 
 
 def available(setting: str) -> bool:
-    return data_available(setting, ["algo=whale", *BASE, *SETTINGS[setting][1]])
+    return data_available(setting, [*BASE, f"experiment={SETTINGS[setting][1]}"])
 
 
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -268,9 +265,10 @@ def main(argv: list[str]) -> None:
     for setting in args.settings:
         if not available(setting):
             continue
-        label, data, rounds, every = SETTINGS[setting]
-        rounds = args.rounds or (2 if args.quick else rounds)
-        every = min(args.eval_every or every, rounds)
+        label, name = SETTINGS[setting]
+        protocol, data = composed(f"experiment={name}"), [f"experiment={name}"]
+        rounds = args.rounds or (2 if args.quick else protocol.algo.rounds)
+        every = min(args.eval_every or protocol.eval_every, rounds)
         extra = [*(QUICK if args.quick else []), *args.set]
         label = label.split(",")[0] + ", quick: CNN [8,16,32,64], max_tensor_mean FI" if args.quick else label
         times: dict[int, dict[str, list[float]]] = {}  # sigma -> method -> per seed
@@ -285,7 +283,7 @@ def main(argv: list[str]) -> None:
                 times[sigma][method], finals[method], per_label[method] = [], [], []
                 for seed in seeds:
                     t0 = time.time()
-                    result = run([*METHODS[method], *data, *extra], seed, sigma, rounds, every, not args.stored_only)
+                    result = run([*data, *METHODS[method], *extra], seed, sigma, rounds, every, not args.stored_only)
                     if result is None:  # --stored-only: the seed counts as not reaching the target
                         missing.append(f"{setting} sigma={sigma} {method} seed={seed}")
                         times[sigma][method].append(math.nan)
@@ -324,7 +322,7 @@ def main(argv: list[str]) -> None:
                 lines += [f"{head}: Table 1, simulated seconds to {targets[sigma]:.0%} test accuracy", ""]
                 lines += table(["comparison", "base (s)", "WHALE variant (s)", "speedup"], rows1)
             rows2 = [
-                [m, step_size([*METHODS[m], *data, *extra]), mean_std(finals[m], 100, 2) if finals[m] else "not run"]
+                [m, step_size([*data, *METHODS[m], *extra]), mean_std(finals[m], 100, 2) if finals[m] else "not run"]
                 for m in args.methods
             ]
             head2 = ["method", "step size", "test acc (%)"]

@@ -204,6 +204,28 @@ def _check_ckpt(cfg: DictConfig) -> None:
     check_ckpt(cfg, str(path))
 
 
+def check_experiments(cfg: DictConfig, own: Callable[[str], DictConfig]) -> None:
+    """A data config's ``experiments``: the algorithms whose own defaults cannot train its data, each with the
+    experiment that holds a setting that does (``pfedfbe: {experiment: pfedfbe_lasso1, keys: [lr, lam]}``). A run of
+    such an algorithm whose ``keys`` (under ``algo.``) all still hold its defaults (``own(name)``: the algorithm's
+    config alone) stops here with one line naming the experiment, not at a divergence in round 2. Setting any of the
+    keys (or running the experiment, which sets them) is a choice of the user's: the run goes on."""
+    hints = OmegaConf.select(cfg, "data.experiments")
+    hint = hints.get(cfg.algo.name) if hints is not None else None
+    if hint is None:
+        return
+    defaults = own(cfg.algo.name)
+    values = {key: OmegaConf.select(cfg.algo, key) for key in hint["keys"]}
+    if any(value != OmegaConf.select(defaults, key) for key, value in values.items()):
+        return
+    shown = ", ".join(f"algo.{key}={value}" for key, value in values.items())
+    fix = " and ".join(f"algo.{key}" for key in values)
+    raise ConfigError(
+        f"data={cfg.data.name}: algo={cfg.algo.name} at its defaults ({shown}) does not train these data (it "
+        f"diverges); run the paper's setting, python train.py experiment={hint.experiment}, or set {fix}"
+    )
+
+
 def check_monitor(monitor: str | None, logged: tuple[str, ...]) -> None:
     """Raises one line unless ``monitor`` (``checkpoint.monitor`` of :class:`flx.callbacks.checkpoint.RoundCheckpoint`)
     is among the keys the run will log: ``logged``, names or ``*`` patterns (:func:`flx.module.metric_names`).

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from flx.checks import check_files, check_partition, check_wandb, validate
+from flx.checks import check_experiments, check_files, check_partition, check_wandb, validate
 from flx.errors import ConfigError, bad_value, one_line
 from flx.launch import run_name, shared_run_name
 from flx.resource_spec import SERVER_MODELS
@@ -117,9 +117,18 @@ def _validate(user: Sequence[str], overrides: Sequence[str], cfg: DictConfig, co
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {one_line(e)}") from None
     _check_added_keys(user, cfg, config_dir)
     check_partition(cfg)
+    check_experiments(cfg, lambda name: _algo_alone(name, config_dir))
     check_files(cfg)
     check_wandb(cfg)
     _check_run_dir(overrides, cfg)
+
+
+def _algo_alone(name: str, config_dir: str) -> DictConfig:
+    """The ``algo`` node of ``algo=<name>`` with nothing else on the command line: the algorithm's defaults."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
+        return compose("train", overrides=[f"algo={name}"]).algo
 
 
 def _check_nodes(cfg: DictConfig) -> None:

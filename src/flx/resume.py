@@ -31,7 +31,8 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
         value = OmegaConf.select(cfg, key)
         return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
-    data = {k: v for k, v in (plain("data") or {}).items() if k not in ("eval_batch_size", "name")}
+    # data.experiments is advice to the user (flx.checks.check_experiments), not the data
+    data = {k: v for k, v in (plain("data") or {}).items() if k not in ("eval_batch_size", "name", "experiments")}
     data.get("loader", {}).pop("root", None)  # the same files may move
     if not data.get("server_fraction"):  # no server split: as checkpoints written before the key existed
         data.pop("server_fraction", None)

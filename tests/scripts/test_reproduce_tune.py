@@ -47,7 +47,7 @@ def test_pfedfbe_tune_selects_on_its_own_seed_and_reports_the_step_size(
     monkeypatch.setattr(pfedfbe, "BASE", list(pfedfbe.BASE))
     argv = ["--settings", "lasso1", "--methods", "FedAvg", "--rounds", "1", "--seeds", "0", "--tune"]
     pfedfbe.main([*argv, "--out", str(tmp_path)])
-    eta = pfedfbe.SETTINGS["lasso1"][3]
+    eta = pfedfbe.eta("lasso1")
     grid = [eta * f for f in pfedfbe.TUNE_FACTORS]
     tuned = json.loads((tmp_path / "tuned.json").read_text())["lasso1"]["FedAvg"]
     assert seen[:-1] == [(lr, common.TUNE_SEED) for lr in grid]  # the search, on the tuning seed only
@@ -164,7 +164,8 @@ def test_drfa_tune_takes_eta_from_fedavg_then_q_on_its_own_seed(
     ]
     assert q == _argmax((0.2, 5.0), tuned["q-FedAvg"]["q_scores"], drfa.PAPER["q"])
     assert seen[-1] == ({"algo": "qfedavg", "algo.lr": lr, "algo.q": q}, 0)  # the reported run ...
-    assert "data.val_fraction=0" in drfa.BASE  # ... with every training row in a client
+    # ... with every training row in a client: the experiment's data.val_fraction, not overridden
+    assert drfa.BASE[0] == "experiment=drfa_digits" and drfa.PROTOCOL.data.val_fraction == 0
     table = (tmp_path / "table.md").read_text()
     assert f"tuned on seed {common.TUNE_SEED}" in table and f"| q-FedAvg | 10 | {lr:g} | q = {q:g} |" in table
 
