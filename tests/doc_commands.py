@@ -24,6 +24,9 @@ NOT_HERE = ("SLURM", "a GPU", "several machines", "a network")
 RUN_FOLDERS = ("logs/train/runs/<run>", "<output_dir>")
 SHORT = "algo.rounds=1"
 RESUMED = "algo.rounds=2"  # a line that continues the base run (1 round) goes on to round 2
+# a line whose noise is calibrated for its rounds (a privacy budget spent over algo.rounds) runs them all: with fewer
+# the calibration differs, and one that cannot be met as printed would pass shortened
+PLANNED = "privacy.target_epsilon="
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,12 @@ def _block_commands(page: str, first: int, kind: str, lines: list[str]) -> list[
 
 def shortened(cmd: Command, folder: Path, base: Path, no_data: Path) -> str:
     """``cmd`` as a test runs it: in its own run folder ``folder``, one round (two where it continues the run in
-    ``base``, which stands for the page's run folder), and where it needs a dataset, with ``no_data`` as the data
-    folder (a checkout's ``./data`` may hold the files: not there)."""
+    ``base``, which stands for the page's run folder; all where :data:`PLANNED`), and where it needs a dataset, with
+    ``no_data`` as the data folder (a checkout's ``./data`` may hold the files: not there)."""
     text = cmd.text
     for placeholder in RUN_FOLDERS:
         text = text.replace(placeholder, str(base))
-    extra = [RESUMED if cmd.resumes else SHORT]
+    extra = [RESUMED if cmd.resumes else SHORT] if PLANNED not in text else []
     if "hydra.run.dir=" not in text:
         extra.append(f"hydra.run.dir={folder}")
     if cmd.dataset:

@@ -1,9 +1,10 @@
 """Every command of the docs pages' shell blocks as a user types it (the README's have tests/test_readme.py).
 
 - ``python train.py`` lines: their config is composed and checked in-process (:func:`flx.config.precheck`), then each
-  distinct line runs as printed in a shell with a clean environment, shortened only by ``algo.rounds`` and its own
-  run folder (``doc_commands.shortened``). A line marked ``# needs <dataset>`` must stop with the one-line "not found"
-  error; a ```console example must print the lines shown under it.
+  distinct line runs as printed in a shell with a clean environment, shortened only by ``algo.rounds`` (not where
+  a privacy budget is calibrated over the printed rounds) and its own run folder (``doc_commands.shortened``). A
+  line marked ``# needs <dataset>`` must stop with the one-line "not found" error; a ```console example must print
+  the lines shown under it.
 - Lines marked ``# needs SLURM`` / ``a GPU`` / ``several machines`` / ``a network`` (:data:`doc_commands.NOT_HERE`)
   cannot run here: their ``train.py`` (or ``sbatch`` script) overrides are checked, the line is not run, and
   :data:`NOT_RUN` counts them so that none is added silently.
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -183,8 +185,9 @@ def test_make_targets_exist() -> None:
     assert wanted and wanted <= _targets(), wanted - _targets()
 
 
-# parses the script's options with its own parser, then stops: the printed options are accepted, nothing runs
-PARSE_ONLY = """import argparse, runpy, sys
+# runs a script once per command line given (a JSON list of argument lists) in one process, each only up to its
+# argument parser: ``--help`` exits 0, the printed options parse or exit 2; prints the exit statuses, nothing runs
+PARSE_ONLY = """import argparse, json, runpy, sys
 def stop(parse):
     def parsed(self, *args, **kwargs):
         parse(self, *args, **kwargs)
@@ -192,15 +195,20 @@ def stop(parse):
     return parsed
 for name in ("parse_args", "parse_intermixed_args"):
     setattr(argparse.ArgumentParser, name, stop(getattr(argparse.ArgumentParser, name)))
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+statuses = []
+for sys.argv in json.loads(sys.argv[1]):
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        statuses.append("ran past its parser")
+    except SystemExit as stopped:
+        statuses.append(stopped.code or 0)
+print(json.dumps(statuses))
 """
 
 
-def _script_runs(cmd: Command) -> list[list[str]]:
-    """``--help``, then the printed options parsed (the venv's python for the page's ``python``)."""
-    words = shlex.split(SCRIPT.sub(r"\1", cmd.text))
-    return [[sys.executable, words[0], "--help"], [sys.executable, "-c", PARSE_ONLY, *words]]
+def _script_args(cmd: Command) -> list[str]:
+    """The script's path and the printed arguments (without the page's ``python``)."""
+    return shlex.split(SCRIPT.sub(r"\1", cmd.text))
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -214,20 +222,25 @@ def _env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_scripts_exist_and_take_the_printed_options(tmp_path: Path) -> None:
     """Each ``python scripts/...`` line names a script that exists, whose ``--help`` exits 0 and whose parser accepts
-    the printed options (the scripts train for minutes to hours: they are not run here)."""
-    lines = {c.text: c for c in _all() if SCRIPT.match(c.text)}.values()
-    missing = [str(c) for c in lines if not (ROOT / SCRIPT.match(c.text).group(1)).is_file()]
-    assert missing == []
-    runs = [(c, run) for c in lines for run in _script_runs(c)]
+    the printed options (the scripts train for minutes to hours: they are not run here). One process a script."""
+    by_script: dict[str, list[list[str]]] = {}
+    for c in _all():
+        if SCRIPT.match(c.text):
+            args = _script_args(c)
+            by_script.setdefault(args[0], [[args[0], "--help"]]).append(args)
+    assert [s for s in by_script if not (ROOT / s).is_file()] == []
     env = {**_env(tmp_path), "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "src"]))}
 
-    def one(run: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    def statuses(runs: list[list[str]]) -> list[int | str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", PARSE_ONLY, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
 
     with ThreadPoolExecutor(WORKERS) as pool:
-        done = list(pool.map(one, [run for _, run in runs]))
-    failed = [f"{c} ({run[-1]}): {p.returncode}\n{p.stderr[-1500:]}" for (c, run), p in zip(runs, done) if p.returncode]
-    assert failed == [], "\n".join(failed)
+        done = dict(zip(by_script, pool.map(statuses, by_script.values())))
+    assert {s: [0] * len(runs) for s, runs in by_script.items()} == done, by_script
 
 
 # ---------------------------------------------------------------------------------------------------------------
