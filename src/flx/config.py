@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -91,6 +92,7 @@ def _compose(
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=job_name):
             cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
     except Exception as e:  # Hydra's exceptions carry multi-line messages: fold them into one line
+        _check_other_option(overrides, one_line(e), config_dir)
         override = getattr(e, "override", None)  # OverrideParseException: the override that did not parse
         where = f"cannot parse {override!r}; " if isinstance(override, str) else ""
         raise ConfigError(f"bad command line: {where}{one_line(e)}") from None
@@ -120,6 +122,58 @@ def _validate(user: Sequence[str], overrides: Sequence[str], cfg: DictConfig, co
     check_files(cfg)
     check_wandb(cfg)
     _check_run_dir(overrides, cfg)
+
+
+def _check_other_option(overrides: Sequence[str], message: str, config_dir: str) -> None:
+    """``privacy.target_epsilon=8`` while ``privacy=none`` is chosen: Hydra suggests ``+privacy.target_epsilon=8``,
+    which adds a key no one reads. The real fix is the option that has the key: this names it (``privacy=central``
+    or ``privacy=local``, then the key). Returns quietly when the failure is of another kind."""
+    match = re.search(r"Could not override '([^']+)'.*is not in struct", message, re.S)
+    group = match.group(1).split(".", 1)[0] if match else ""
+    if not match or not os.path.isdir(os.path.join(config_dir, group)):
+        return
+    key = match.group(1)
+    having = [o for o in group_options(group, config_dir) if _option_has(group, o, key.split(".")[1:], config_dir)]
+    if not having:
+        return
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")] or [
+        _default_option(group, config_dir)
+    ]
+    value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), "")
+    fix = f"choose one of them first, e.g. {group}={having[0]} {key}={value}"
+    raise ConfigError(
+        f"{key}={value}: not a key of {group}={chosen[-1]}; it is a key of {group}={', '.join(having)}: {fix}"
+    )
+
+
+def _default_option(group: str, config_dir: str) -> str:
+    """The option of ``group`` that ``train.yaml``'s defaults choose (``none`` for ``privacy``)."""
+    for entry in OmegaConf.load(os.path.join(config_dir, "train.yaml")).get("defaults", []):
+        if OmegaConf.is_dict(entry) and group in entry:
+            return str(entry[group])
+    return "null"
+
+
+def _option_has(group: str, option: str, path: list[str], config_dir: str) -> bool:
+    """Whether the yaml of ``group=option``, or of an option of the same group it builds on (its ``defaults``),
+    has the key ``path``."""
+    node = OmegaConf.load(os.path.join(config_dir, group, f"{option}.yaml"))
+    if OmegaConf.select(node, ".".join(path), default=None, throw_on_missing=False) is not None or (
+        OmegaConf.is_dict(node) and _has_path(node, path)
+    ):
+        return True
+    bases = (
+        [d for d in node.get("defaults", []) if isinstance(d, str) and d != "_self_"] if OmegaConf.is_dict(node) else []
+    )
+    return any(_option_has(group, b, path, config_dir) for b in bases if b in group_options(group, config_dir))
+
+
+def _has_path(node: DictConfig, path: list[str]) -> bool:
+    for name in path:
+        if not OmegaConf.is_dict(node) or name not in node:
+            return False
+        node = node._get_node(name)
+    return True
 
 
 def _check_nodes(cfg: DictConfig) -> None:

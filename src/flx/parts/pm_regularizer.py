@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.losses.crd import CRD
 from flx.losses.distill import RH_OPTIONS, l2_to_pm_grad, logit_kd
@@ -87,6 +87,7 @@ class PMRegularizer(FederatedCallback):
         if params.get("pm_model") is not None:
             params["pm_model"] = dict(params["pm_model"])
         self.params = p = PMParams(**params)
+        check_fields(p, "algo.", {"batch_size": "algo.kt_batch_size", "gradient": "algo.rh_gradient"})
         if not p.lam >= 0:
             raise bad_value("algo.lam", p.lam, "the weight lambda of R_h, >= 0 (0: no PM)")
         if p.rh not in RH_OPTIONS:
