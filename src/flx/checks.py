@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx.checkpoint_spec import check_checkpoint
 from flx.choices import AGGREGATORS, CLIENT_EVAL, DUPLICATES, FAULT_POLICIES, MINIBATCH, MODEL_INITS, SINGLE_ROW_BATCH
-from flx.errors import LOOP_WHY, MAX_LOOP, ConfigError, bad_value, number_error, one_line
+from flx.errors import LOOP_WHY, MAX_INT, MAX_LOOP, ConfigError, bad_value, count, number_error, one_line
 from flx.launch import DDP_STARTS, DDP_STRATEGIES, slurm_job_id
 from flx.resource_spec import check_server
 from flx.resume import check_ckpt
@@ -141,6 +141,10 @@ def _check_algo(cfg: DictConfig) -> None:
         )
 
 
+MAX_PROCESSES = 2**16
+"""The most ``trainer.devices`` (per node) and ``trainer.num_nodes``: beyond any machine or cluster."""
+
+
 BOOLEAN_KEYS = (
     "algo.vectorize",
     "algo.binary_task",
@@ -169,8 +173,11 @@ def _check_server_opt(cfg: DictConfig) -> None:
 
 def _world_size(cfg: DictConfig) -> int:
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
-    if not (devices in ("auto", -1) or OmegaConf.is_list(devices) or (isinstance(devices, int) and devices > 0)):
-        raise bad_value("trainer.devices", devices, "allowed: an integer >= 1, a list of device ids, -1 or auto")
+    count("trainer.num_nodes", nodes, 1, MAX_PROCESSES)
+    ok = isinstance(devices, int) and not isinstance(devices, bool) and 0 < devices <= MAX_PROCESSES
+    if not (devices in ("auto", -1) or OmegaConf.is_list(devices) or ok):
+        allowed = f"an integer from 1 to {MAX_PROCESSES}, a list of device ids, -1 or auto"
+        raise bad_value("trainer.devices", devices, f"allowed: {allowed}")
     if isinstance(devices, int) and devices > 0:
         return devices * nodes
     if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
@@ -190,6 +197,15 @@ def _check_trainer(cfg: DictConfig) -> None:
     if not (ok or (isinstance(limit, float) and 0 < limit <= 1)):
         allowed = "null, an integer >= 1 (clients per rank and round) or a fraction in (0, 1]"
         raise bad_value("trainer.limit_train_batches", limit, f"allowed: {allowed}")
+    for key, low in (("num_sanity_val_steps", -1), ("log_every_n_steps", 1)):
+        if t.get(key) is not None:
+            count(f"trainer.{key}", t.get(key), low, MAX_INT)
+    deterministic = t.get("deterministic")
+    if not (deterministic is None or isinstance(deterministic, bool) or deterministic == "warn"):
+        raise bad_value("trainer.deterministic", t.deterministic, "allowed: true, false, warn")
+    fast = t.get("fast_dev_run", False)
+    if not isinstance(fast, bool):
+        count("trainer.fast_dev_run", fast, 0, MAX_INT)
     start = cfg.get("ddp_start", "auto")
     if start not in DDP_STARTS:
         raise bad_value("ddp_start", start, f"allowed: {', '.join(DDP_STARTS)}")

@@ -213,9 +213,44 @@ def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    _check_path_length(key, path, existing)
     why = "is not a folder" if not os.path.isdir(existing) else _probe_folder(existing)
     if why:
         raise bad_value(key, path, f"cannot create the run folder there ({existing} {why}); choose another folder")
+
+
+def _check_path_length(key: str, path: str, existing: str) -> None:
+    """Every name in the run folder's path fits the file system's limit (``NAME_MAX``, 255 bytes on Linux) and the
+    whole path its ``PATH_MAX`` (4096), with room for the files the run writes inside (:data:`ROOM`); else Hydra's
+    ``mkdir`` fails with a traceback."""
+    full = os.path.abspath(path)
+    name_max, path_max = (
+        _pathconf(existing, name, default) for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096))
+    )
+    longest = max(full.split(os.sep), key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > name_max:
+        why = f"a folder name of {len(os.fsencode(longest))} bytes, the file system takes at most {name_max}"
+        raise bad_value(key, _short(path), f"{why}; choose a shorter name")
+    if len(os.fsencode(full)) + ROOM > path_max:
+        why = f"a path of {len(os.fsencode(full))} bytes, the file system takes {path_max} with the run's files inside"
+        raise bad_value(key, _short(path), f"{why}; choose a shorter path")
+
+
+ROOM = 256
+"""Bytes kept free under the run folder's path for what the run writes inside it (``checkpoints/round_00001.ckpt``,
+``.hydra/config.yaml``, ``csv/version_0/metrics.csv``)."""
+
+
+def _pathconf(folder: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):  # not on this OS or file system
+        return default
+
+
+def _short(path: str) -> str:
+    """A long path as the error line shows it: its start and end."""
+    return path if len(path) <= 80 else f"{path[:40]}...{path[-30:]} ({len(path)} characters)"
 
 
 def _probe_folder(folder: str) -> str | None:

@@ -18,8 +18,9 @@ class ConfigError(ValueError):
 
 
 def bad_value(key: str, value: Any, allowed: str) -> ConfigError:
-    """Builds the standard message ``key=value: allowed``."""
-    return ConfigError(f"{key}={value!r}: {allowed}")
+    """Builds the standard message ``key=value: allowed`` (``key=nan: not a number; allowed`` for a NaN)."""
+    nan = isinstance(value, float) and math.isnan(value) and not allowed.startswith("not a number")
+    return ConfigError(f"{key}={value!r}: {'not a number; ' if nan else ''}{allowed}")
 
 
 BINARY_DATA = "data=digits_binary, breast_cancer, cifar10_binary, cifar100_binary, chestmnist or adult"

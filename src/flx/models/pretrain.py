@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.models import heads
 
 SCHEDULES = ("step", "cosine")
@@ -77,6 +77,9 @@ class PretrainParams:
         return self.key_prefix + (name.replace("_", "-") if self.key_prefix == "--" else name)
 
     def __post_init__(self) -> None:
+        check_fields(
+            self, self.key_prefix, {f: self.key(f) for f in ("epochs", "lr", "momentum", "weight_decay", "batch_size")}
+        )
         for name, ok, allowed in _CHECKS:
             if not ok(getattr(self, name)):
                 raise bad_value(self.key(name), getattr(self, name), allowed)

@@ -108,10 +108,11 @@ class PassiveBuffer(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
-        check_fields(p, "algo.", {k: f"algo.parts.passive_buffer.{k}" for k in ("compositional", "pairs")})
+        keys = {k: f"algo.parts.passive_buffer.{k}" for k in ("compositional", "pairs")}  # set on the part itself
+        check_fields(p, "algo.", keys)
         for key, allowed in CHOICES.items():
             if getattr(p, key) not in allowed:
-                raise bad_value(f"algo.{key}", getattr(p, key), f"allowed: {', '.join(allowed)}")
+                raise bad_value(keys.get(key, f"algo.{key}"), getattr(p, key), f"allowed: {', '.join(allowed)}")
         if p.loss not in LOSSES:
             raise bad_value("algo.loss", p.loss, f"allowed: {', '.join(LOSSES)}")
         for key in ("b1", "b2", "depth"):
