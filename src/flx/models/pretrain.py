@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from flx.errors import bad_value, check_fields
+from flx.errors import bad_value
 from flx.models import heads
 
 SCHEDULES = ("step", "cosine")
@@ -35,7 +35,7 @@ def _is_int(v: object) -> bool:
 
 
 def _is_real(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _is_epochs(v: object) -> bool:
@@ -77,9 +77,6 @@ class PretrainParams:
         return self.key_prefix + (name.replace("_", "-") if self.key_prefix == "--" else name)
 
     def __post_init__(self) -> None:
-        check_fields(
-            self, self.key_prefix, {f: self.key(f) for f in ("epochs", "lr", "momentum", "weight_decay", "batch_size")}
-        )
         for name, ok, allowed in _CHECKS:
             if not ok(getattr(self, name)):
                 raise bad_value(self.key(name), getattr(self, name), allowed)
