@@ -107,10 +107,13 @@ def _aliases(cfg: DictConfig, key: str) -> set[str]:
 
 
 def check_run(cfg: DictConfig) -> None:
-    """What the run checks before its first write, without data: the config, the partitioner, every part."""
+    """What the run checks before its first write, without data: the config, ``run.overwrite``, the partitioner,
+    every part."""
     from flx.run import federation_config
+    from flx.run_folder import overwrite
 
     validate(cfg)
+    overwrite(cfg)
     check_partition(cfg)
     for part in (cfg.algo.get("parts") or {}).values():
         if part is not None:

@@ -148,14 +148,14 @@ MAX_PROCESSES = 2**16
 BOOLEAN_KEYS = (
     "algo.vectorize",
     "algo.binary_task",
-    "run.overwrite",
     "checkpoint.background",
     "trainer.enable_checkpointing",
     "trainer.enable_progress_bar",
     "trainer.enable_model_summary",
     "trainer.use_distributed_sampler",
 )
-"""Keys that hold a boolean where they are set: ``"no"`` or ``1`` is refused, not read as true."""
+"""Keys that hold a boolean where they are set: ``"no"`` or ``1`` is refused, not read as true (``run.overwrite``:
+:func:`flx.run_folder.overwrite`, before the run folder is touched)."""
 
 
 def _check_server_opt(cfg: DictConfig) -> None:
