@@ -248,3 +248,31 @@ def test_a_run_folder_name_over_255_bytes_is_one_line(tmp_path: Path) -> None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# --- what the checks accept runs: edge values at the ends of their ranges, built and fitted for their rounds --------
+
+ACCEPTED = [
+    pytest.param(("algo=fedadam", "algo.server.betas=[0,0.5]", "algo.server.eps=1e-12"), id="fedadam-edges"),
+    pytest.param(("algo=fedprox", "algo.mu=0", "algo.local_epochs=1"), id="fedprox-mu-0-one-epoch"),
+    pytest.param(("algo.local_steps=1", "algo.server.momentum=0.99"), id="one-step"),
+    pytest.param(("privacy=central", "privacy.noise_multiplier=0.1", "algo.rounds=2"), id="central-noise-floor"),
+    pytest.param(("privacy=central", "privacy.target_epsilon=20", "algo.rounds=2"), id="central-target-20"),
+    pytest.param(("privacy=local", "privacy.noise_multiplier=0.1"), id="local-noise-floor"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", ACCEPTED)
+def test_accepted_edge_values_run(args: tuple[str, ...], tmp_path: Path) -> None:
+    """A value the checks accept must not fail later: the run is built and fitted (1 round unless given)."""
+    from flx.run import build
+
+    out = str(tmp_path / "run")
+    quiet = ("logger=none", "checkpoint=null", "callbacks=none", "trainer.enable_progress_bar=false")
+    rounds = () if any(a.startswith("algo.rounds=") for a in args) else ("algo.rounds=1",)
+    cfg = precheck([*args, *rounds, *quiet, f"hydra.run.dir={out}", f"paths.output_dir={out}"])
+    dm, module, trainer = build(cfg)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.current_epoch == cfg.algo.rounds
+    assert all(bool(p.isfinite().all()) for p in module.parameters())
