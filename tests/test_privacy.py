@@ -129,3 +129,32 @@ def test_the_numbers_pfl_research_and_flower_document() -> None:
     for name in ("Flower RDP ref., no amplification", "Flower RDP ref., Poisson", "same, flx sigma = 2 x 1.5"):
         assert rows[name].flx() == pytest.approx(rows[name].theirs, rel=1e-12), name
     assert rows["pfl tutorial, PLD calibration"].flx() == pytest.approx(0.4975, abs=5e-5)
+
+
+def test_an_accountant_failure_is_one_line_naming_the_key_and_the_fix() -> None:
+    """Noise far below the floor: the PLD accountant raises (a grid too large); :func:`privacy.accounted`, asked at the
+    run's check, turns it into one line naming privacy.noise_multiplier, and calibration names the target."""
+    from flx.errors import ConfigError
+
+    mech = privacy.Mechanism("poisson", 1e-12, 100, 10)
+    with pytest.raises(ConfigError, match=r"^privacy\.noise_multiplier=1e-12: the accountant \(pld\) cannot account"):
+        privacy.accounted(mech, 30, 1e-5, "pld")
+    with pytest.raises(
+        ConfigError, match=r"^privacy\.target_epsilon=1000000\.0: met with noise_multiplier=0\.1 already"
+    ):
+        privacy.calibrate(1e6, privacy.Mechanism("poisson", 1.0, 100, 10), 30, 1e-5, "pld")
+
+
+@pytest.mark.parametrize(
+    ("noise", "target", "match"),
+    [
+        (0.05, None, r"^privacy\.noise_multiplier=0\.05: must be >= 0\.1"),
+        (0.0, None, r"^privacy\.noise_multiplier=0\.0: must be >= 0\.1 \(no noise is no privacy\)"),
+        (None, -1.0, r"^privacy\.target_epsilon=-1\.0: > 0"),
+    ],
+)
+def test_budget_keys_below_their_ranges_are_one_line(noise: float | None, target: float | None, match: str) -> None:
+    from flx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        privacy.check_budget_keys(noise, target, 1e-5, "poisson", "pld")

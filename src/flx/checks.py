@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flx.checkpoint_spec import check_checkpoint
 from flx.choices import AGGREGATORS, CLIENT_EVAL, DUPLICATES, FAULT_POLICIES, MINIBATCH, MODEL_INITS, SINGLE_ROW_BATCH
-from flx.errors import ConfigError, bad_value, one_line
+from flx.errors import LOOP_WHY, MAX_INT, MAX_LOOP, ConfigError, bad_value, count, number_error, one_line
 from flx.launch import DDP_STARTS, DDP_STRATEGIES, slurm_job_id
 from flx.resource_spec import check_server
 from flx.resume import check_ckpt
@@ -82,14 +82,17 @@ def _every_client(cfg: DictConfig) -> bool:
 
 def _num(cfg: DictConfig, key: str) -> Any:
     value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_value(key, value, "must be a finite number")
+    err = number_error(key, value)
+    if err is not None:
+        raise err
     return value
 
 
 def _int(cfg: DictConfig, key: str, low: int, high: int | None = None, why: str = "") -> int:
     """``key``'s value, an integer in ``[low, high]`` (``high`` None: no upper bound; ``why``: the bound's reason)."""
     value = OmegaConf.select(cfg, key)
+    if isinstance(value, float) and math.isnan(value):
+        raise bad_value(key, value, "not a number; must be an integer")
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         allowed = f"an integer >= {low}" + ("" if high is None else f" and <= {high}{why}")
         raise bad_value(key, value, f"must be {allowed}")
@@ -103,23 +106,24 @@ def _check(cfg: DictConfig, key: str, ok: Callable[[Any], bool], allowed: str) -
 
 
 def _check_algo(cfg: DictConfig) -> None:
-    for key in ("algo.rounds", *(() if _every_client(cfg) else ("algo.clients_per_round",))):
-        _int(cfg, key, 1)
+    _int(cfg, "algo.rounds", 1, MAX_LOOP, LOOP_WHY)
+    if not _every_client(cfg):
+        _int(cfg, "algo.clients_per_round", 1)
     _int(cfg, "algo.batch_size", 1, MAX_BATCH, BATCH_WHY)
-    _int(cfg, "algo.local_steps", 0)  # 0 only with a part that replaces the local steps: checked in run.build
+    _int(cfg, "algo.local_steps", 0, MAX_LOOP, LOOP_WHY)  # 0 only with a part that replaces the local steps (build)
     if cfg.algo.get("local_epochs") is not None:
-        _int(cfg, "algo.local_epochs", 1)
+        _int(cfg, "algo.local_epochs", 1, MAX_EPOCHS, LOOP_WHY)
     _check(cfg, "algo.lr", lambda v: v > 0, "must be > 0")
     _check(cfg, "algo.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
     _check(cfg, "algo.weight_decay", lambda v: v >= 0, "must be >= 0")
-    _check(cfg, "algo.server.lr", lambda v: v > 0, "must be > 0")
-    _check(cfg, "algo.server.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    _check_server_opt(cfg)
     if cfg.algo.weighting not in ("num_samples", "uniform"):
         raise bad_value("algo.weighting", cfg.algo.weighting, "allowed: num_samples, uniform")
     if cfg.algo.get("duplicates", "multiplicity") not in DUPLICATES:
         raise bad_value("algo.duplicates", cfg.algo.duplicates, f"allowed: {', '.join(DUPLICATES)}")
-    if not isinstance(cfg.algo.get("vectorize", False), bool):
-        raise bad_value("algo.vectorize", cfg.algo.vectorize, "allowed: true, false")
+    for key in BOOLEAN_KEYS:
+        if not isinstance(OmegaConf.select(cfg, key, default=False), bool):
+            raise bad_value(key, OmegaConf.select(cfg, key), "allowed: true, false")
     if cfg.algo.get("minibatch", "epochs") not in MINIBATCH:
         raise bad_value("algo.minibatch", cfg.algo.minibatch, f"allowed: {', '.join(MINIBATCH)}")
     if cfg.algo.get("aggregator", "mean") not in AGGREGATORS:
@@ -137,10 +141,43 @@ def _check_algo(cfg: DictConfig) -> None:
         )
 
 
+MAX_PROCESSES = 2**16
+"""The most ``trainer.devices`` (per node) and ``trainer.num_nodes``: beyond any machine or cluster."""
+
+
+BOOLEAN_KEYS = (
+    "algo.vectorize",
+    "algo.binary_task",
+    "checkpoint.background",
+    "trainer.enable_checkpointing",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.use_distributed_sampler",
+)
+"""Keys that hold a boolean where they are set: ``"no"`` or ``1`` is refused, not read as true (``run.overwrite``:
+:func:`flx.run_folder.overwrite`, before the run folder is touched)."""
+
+
+def _check_server_opt(cfg: DictConfig) -> None:
+    """``algo.server.*`` (:class:`flx.server.ServerOptConfig`): FedAdam's ``betas`` two numbers in [0, 1), ``eps``
+    (tau) > 0, ``weight_decay`` >= 0."""
+    _check(cfg, "algo.server.lr", lambda v: v > 0, "must be > 0")
+    _check(cfg, "algo.server.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+    _check(cfg, "algo.server.eps", lambda v: v > 0, "FedAdam's tau, must be > 0")
+    _check(cfg, "algo.server.weight_decay", lambda v: v >= 0, "must be >= 0")
+    betas = OmegaConf.select(cfg, "algo.server.betas")
+    pair = list(betas) if OmegaConf.is_list(betas) or isinstance(betas, (list, tuple)) else None
+    if pair is None or len(pair) != 2 or any(number_error("", b) is not None or not 0 <= b < 1 for b in pair):
+        raise bad_value("algo.server.betas", betas, "must be two numbers in [0, 1), e.g. [0.9,0.99] (beta_1, beta_2)")
+
+
 def _world_size(cfg: DictConfig) -> int:
     devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1) or 1
-    if not (devices in ("auto", -1) or OmegaConf.is_list(devices) or (isinstance(devices, int) and devices > 0)):
-        raise bad_value("trainer.devices", devices, "allowed: an integer >= 1, a list of device ids, -1 or auto")
+    count("trainer.num_nodes", nodes, 1, MAX_PROCESSES)
+    ok = isinstance(devices, int) and not isinstance(devices, bool) and 0 < devices <= MAX_PROCESSES
+    if not (devices in ("auto", -1) or OmegaConf.is_list(devices) or ok):
+        allowed = f"an integer from 1 to {MAX_PROCESSES}, a list of device ids, -1 or auto"
+        raise bad_value("trainer.devices", devices, f"allowed: {allowed}")
     if isinstance(devices, int) and devices > 0:
         return devices * nodes
     if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
@@ -160,6 +197,15 @@ def _check_trainer(cfg: DictConfig) -> None:
     if not (ok or (isinstance(limit, float) and 0 < limit <= 1)):
         allowed = "null, an integer >= 1 (clients per rank and round) or a fraction in (0, 1]"
         raise bad_value("trainer.limit_train_batches", limit, f"allowed: {allowed}")
+    for key, low in (("num_sanity_val_steps", -1), ("log_every_n_steps", 1)):
+        if t.get(key) is not None:
+            count(f"trainer.{key}", t.get(key), low, MAX_INT)
+    deterministic = t.get("deterministic")
+    if not (deterministic is None or isinstance(deterministic, bool) or deterministic == "warn"):
+        raise bad_value("trainer.deterministic", t.deterministic, "allowed: true, false, warn")
+    fast = t.get("fast_dev_run", False)
+    if not isinstance(fast, bool):
+        count("trainer.fast_dev_run", fast, 0, MAX_INT)
     start = cfg.get("ddp_start", "auto")
     if start not in DDP_STARTS:
         raise bad_value("ddp_start", start, f"allowed: {', '.join(DDP_STARTS)}")
@@ -300,6 +346,10 @@ MAX_BATCH = 2**31 - 1
 
 
 BATCH_WHY = " (int32; a batch larger than the rows holds all of them)"
+
+MAX_EPOCHS = 10**4
+"""The most ``algo.local_epochs``: passes over a client's rows per round (10^4 passes of 100 rows are 10^6 steps of
+one row, :data:`flx.errors.MAX_LOOP`)."""
 
 
 THREADS_PER_CORE = 4

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -91,6 +92,7 @@ def _compose(
         with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=job_name):
             cfg = compose(config_name, overrides=list(overrides), return_hydra_config=True)
     except Exception as e:  # Hydra's exceptions carry multi-line messages: fold them into one line
+        _check_other_option(overrides, one_line(e), config_dir)
         override = getattr(e, "override", None)  # OverrideParseException: the override that did not parse
         where = f"cannot parse {override!r}; " if isinstance(override, str) else ""
         raise ConfigError(f"bad command line: {where}{one_line(e)}") from None
@@ -129,6 +131,58 @@ def _algo_alone(name: str, config_dir: str) -> DictConfig:
 
     with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name="train"):
         return compose("train", overrides=[f"algo={name}"]).algo
+
+
+def _check_other_option(overrides: Sequence[str], message: str, config_dir: str) -> None:
+    """``privacy.target_epsilon=8`` while ``privacy=none`` is chosen: Hydra suggests ``+privacy.target_epsilon=8``,
+    which adds a key no one reads. The real fix is the option that has the key: this names it (``privacy=central``
+    or ``privacy=local``, then the key). Returns quietly when the failure is of another kind."""
+    match = re.search(r"Could not override '([^']+)'.*is not in struct", message, re.S)
+    group = match.group(1).split(".", 1)[0] if match else ""
+    if not match or not os.path.isdir(os.path.join(config_dir, group)):
+        return
+    key = match.group(1)
+    having = [o for o in group_options(group, config_dir) if _option_has(group, o, key.split(".")[1:], config_dir)]
+    if not having:
+        return
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")] or [
+        _default_option(group, config_dir)
+    ]
+    value = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")), "")
+    fix = f"choose one of them first, e.g. {group}={having[0]} {key}={value}"
+    raise ConfigError(
+        f"{key}={value}: not a key of {group}={chosen[-1]}; it is a key of {group}={', '.join(having)}: {fix}"
+    )
+
+
+def _default_option(group: str, config_dir: str) -> str:
+    """The option of ``group`` that ``train.yaml``'s defaults choose (``none`` for ``privacy``)."""
+    for entry in OmegaConf.load(os.path.join(config_dir, "train.yaml")).get("defaults", []):
+        if OmegaConf.is_dict(entry) and group in entry:
+            return str(entry[group])
+    return "null"
+
+
+def _option_has(group: str, option: str, path: list[str], config_dir: str) -> bool:
+    """Whether the yaml of ``group=option``, or of an option of the same group it builds on (its ``defaults``),
+    has the key ``path``."""
+    node = OmegaConf.load(os.path.join(config_dir, group, f"{option}.yaml"))
+    if OmegaConf.select(node, ".".join(path), default=None, throw_on_missing=False) is not None or (
+        OmegaConf.is_dict(node) and _has_path(node, path)
+    ):
+        return True
+    bases = (
+        [d for d in node.get("defaults", []) if isinstance(d, str) and d != "_self_"] if OmegaConf.is_dict(node) else []
+    )
+    return any(_option_has(group, b, path, config_dir) for b in bases if b in group_options(group, config_dir))
+
+
+def _has_path(node: DictConfig, path: list[str]) -> bool:
+    for name in path:
+        if not OmegaConf.is_dict(node) or name not in node:
+            return False
+        node = node._get_node(name)
+    return True
 
 
 def _check_nodes(cfg: DictConfig) -> None:
@@ -172,9 +226,44 @@ def _check_run_dir(overrides: Sequence[str], cfg: DictConfig) -> None:
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
+    _check_path_length(key, path, existing)
     why = "is not a folder" if not os.path.isdir(existing) else _probe_folder(existing)
     if why:
         raise bad_value(key, path, f"cannot create the run folder there ({existing} {why}); choose another folder")
+
+
+def _check_path_length(key: str, path: str, existing: str) -> None:
+    """Every name in the run folder's path fits the file system's limit (``NAME_MAX``, 255 bytes on Linux) and the
+    whole path its ``PATH_MAX`` (4096), with room for the files the run writes inside (:data:`ROOM`); else Hydra's
+    ``mkdir`` fails with a traceback."""
+    full = os.path.abspath(path)
+    name_max, path_max = (
+        _pathconf(existing, name, default) for name, default in (("PC_NAME_MAX", 255), ("PC_PATH_MAX", 4096))
+    )
+    longest = max(full.split(os.sep), key=lambda n: len(os.fsencode(n)))
+    if len(os.fsencode(longest)) > name_max:
+        why = f"a folder name of {len(os.fsencode(longest))} bytes, the file system takes at most {name_max}"
+        raise bad_value(key, _short(path), f"{why}; choose a shorter name")
+    if len(os.fsencode(full)) + ROOM > path_max:
+        why = f"a path of {len(os.fsencode(full))} bytes, the file system takes {path_max} with the run's files inside"
+        raise bad_value(key, _short(path), f"{why}; choose a shorter path")
+
+
+ROOM = 256
+"""Bytes kept free under the run folder's path for what the run writes inside it (``checkpoints/round_00001.ckpt``,
+``.hydra/config.yaml``, ``csv/version_0/metrics.csv``)."""
+
+
+def _pathconf(folder: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):  # not on this OS or file system
+        return default
+
+
+def _short(path: str) -> str:
+    """A long path as the error line shows it: its start and end."""
+    return path if len(path) <= 80 else f"{path[:40]}...{path[-30:]} ({len(path)} characters)"
 
 
 def _probe_folder(folder: str) -> str | None:

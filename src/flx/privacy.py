@@ -36,9 +36,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from flx.errors import ConfigError, bad_value
+
 ACCOUNTANTS = ("pld", "rdp")
 SAMPLINGS = ("poisson", "fixed")
 PLD_DISCRETIZATION = 1e-3  # the PLD grid (the library default: 1e-4): an upper bound either way, 8x faster
+SIGMA_FLOOR = 0.1
+"""The least noise multiplier (``privacy.noise_multiplier`` and calibration alike): below it a round alone costs an
+epsilon in the hundreds (no guarantee left to state), and the PLD accountant's grid grows as 1 / sigma^2 (sigma 0.05:
+~10 s per epsilon, 0.01: more memory than a machine has; 1e-12: the library refuses)."""
+NOISE_FLOOR_WHY = "below it epsilon is in the hundreds after one round and the accountant cannot follow"
+ACCOUNTANT_ERRORS = (ValueError, OverflowError, FloatingPointError, ZeroDivisionError, MemoryError)
+"""What ``dp_accounting`` raises where it cannot account for a mechanism (a PLD too large, an overflow)."""
 
 
 @dataclass(frozen=True)
@@ -69,13 +78,13 @@ def check_budget_keys(
     noise_multiplier: float | None, target_epsilon: float | None, delta: float, sampling: str, accountant: str
 ) -> None:
     """Raises a one-line :class:`~flx.errors.ConfigError` for ``privacy.*`` keys no mechanism can run with: no noise
-    and no target, a noise or target that is not positive, a delta outside (0, 1), an unaccountable sampling."""
-    from flx.errors import ConfigError, bad_value
-
+    and no target, a noise below :data:`SIGMA_FLOOR` or a target that is not positive, a delta outside (0, 1), an
+    unaccountable sampling. The values are finite numbers already (:func:`flx.errors.check_fields`)."""
     if noise_multiplier is None and target_epsilon is None:
         raise bad_value("privacy.noise_multiplier", None, "set it (> 0) or privacy.target_epsilon to calibrate it")
-    if noise_multiplier is not None and not noise_multiplier > 0:
-        raise bad_value("privacy.noise_multiplier", noise_multiplier, "> 0 (no noise is no privacy)")
+    if noise_multiplier is not None and not noise_multiplier >= SIGMA_FLOOR:
+        why = "no noise is no privacy" if not noise_multiplier > 0 else NOISE_FLOOR_WHY
+        raise bad_value("privacy.noise_multiplier", noise_multiplier, f"must be >= {SIGMA_FLOOR:g} ({why})")
     if target_epsilon is not None and not target_epsilon > 0:
         raise bad_value("privacy.target_epsilon", target_epsilon, "> 0")
     if not 0 < delta < 1:
@@ -164,7 +173,15 @@ def _round_pld(mech: Mechanism) -> Any:
     )
 
 
-SIGMA_FLOOR = 0.1  # calibration searches sigma >= this: below it the PLD grid grows as 1 / sigma^2
+def accounted(mech: Mechanism, rounds: int, delta: float, accountant: str, unit: str = "rounds") -> float:
+    """:func:`epsilon`, with the accountant's failure to account for ``rounds`` events of ``mech`` (an overflow, a
+    PLD too large) as one line naming ``privacy.noise_multiplier`` and the fix. Asked at the run's check, before
+    anything is written, for the epsilon the ledger will ask for; ``unit``: what the events are (the message's)."""
+    try:
+        return epsilon(mech, rounds, delta, accountant)
+    except ACCOUNTANT_ERRORS as e:
+        what = f"the accountant ({accountant}) cannot account for {rounds} {unit} of it ({type(e).__name__}: {e})"
+        raise bad_value("privacy.noise_multiplier", mech.noise_multiplier, f"{what}; raise it") from None
 
 
 def calibrate(target_epsilon: float, mech: Mechanism, rounds: int, delta: float, accountant: str = "pld") -> float:
@@ -174,7 +191,22 @@ def calibrate(target_epsilon: float, mech: Mechanism, rounds: int, delta: float,
     either side).
 
     Raises:
-        ValueError: the target is met even at :data:`SIGMA_FLOOR` (set the noise multiplier instead)."""
+        ConfigError: one line naming ``privacy.target_epsilon`` and the fix: the target is met even at
+            :data:`SIGMA_FLOOR` (a target too large for the accountant), or the accountant fails on the way."""
+    try:
+        return _calibrate(target_epsilon, mech, rounds, delta, accountant)
+    except ACCOUNTANT_ERRORS as e:
+        if isinstance(e, ConfigError):
+            raise
+        what = f"the accountant ({accountant}) failed calibrating it over {rounds} rounds ({type(e).__name__}: {e})"
+        raise bad_value("privacy.target_epsilon", target_epsilon, f"{what}; {CALIBRATION_FIX}") from None
+
+
+CALIBRATION_FIX = "lower privacy.target_epsilon, or set privacy.noise_multiplier (>= 0.1) instead"
+
+
+def _calibrate(target_epsilon: float, mech: Mechanism, rounds: int, delta: float, accountant: str) -> float:
+    """:func:`calibrate`'s search."""
     import dp_accounting
 
     def spent(sigma: float) -> float:
@@ -185,10 +217,8 @@ def calibrate(target_epsilon: float, mech: Mechanism, rounds: int, delta: float,
         low, high = high, high * 2
     while spent(low) <= target_epsilon:
         if low <= SIGMA_FLOOR:
-            raise ValueError(
-                f"privacy.target_epsilon={target_epsilon:g}: met with noise_multiplier={SIGMA_FLOOR:g} already "
-                "(calibration stops there); set privacy.noise_multiplier"
-            )
+            why = f"met with noise_multiplier={SIGMA_FLOOR:g} already, the least noise calibrated ({NOISE_FLOOR_WHY})"
+            raise bad_value("privacy.target_epsilon", target_epsilon, f"{why}; {CALIBRATION_FIX}")
         low, high = max(low / 2, SIGMA_FLOOR), low
     with _quiet():
         sigma = dp_accounting.calibrate_dp_mechanism(

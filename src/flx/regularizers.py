@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flx.errors import bad_value
+from flx.errors import bad_value, number_error
 
 __all__ = [
     "REGULARIZERS",
@@ -194,11 +194,11 @@ _WEIGHTED = ("l1", "elastic_net", "group_l2", "nuclear")  # the names that take 
 
 # ---------------------------------------------------------------------------------------------- config checks
 def _number(key: str, value: Any, low: float | None = 0.0) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise bad_value(f"{KEY}.{key}", value, "must be a number") from None
-    if math.isnan(x) or (low is not None and not (x >= low and math.isfinite(x))):
+    err = number_error(f"{KEY}.{key}", value)
+    if err is not None:
+        raise err
+    x = float(value)
+    if low is not None and not (x >= low and math.isfinite(x)):
         raise bad_value(f"{KEY}.{key}", value, f"must be a finite number >= {low:g}")
     return x
 

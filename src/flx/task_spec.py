@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from flx.errors import ConfigError, bad_value, not_binary
+from flx.errors import MAX_INT, ConfigError, bad_value, count, not_binary
 from flx.models.head_spec import num_outputs
 
 REAL, CLASSES, TOKENS = "real", "classes", "tokens"
@@ -79,6 +79,8 @@ def _check_classes(cfg: DictConfig) -> None:
     """An algorithm for binary tasks (``algo.binary_task``) on data whose config says it has other than 2 classes
     (``data.num_classes``): reported here, before any import or loading; the parts check the loaded labels again."""
     classes = cfg.data.get("num_classes")
+    if classes is not None:
+        count("data.num_classes", classes, 1, MAX_INT)
     if cfg.algo.get("binary_task") and classes is not None and classes != 2:
         raise not_binary(f"algo={cfg.algo.name}", int(classes))
     head = cfg.model.get("binary_head", "two_logits")

@@ -296,4 +296,5 @@ def test_one_logit_head_step_is_the_linear_estimator() -> None:
 @pytest.mark.parametrize("bad", [{"init_pools": "full"}, {"momentum_sync": "rank"}, {"pairs": "global"}])
 def test_bad_option_values(bad: dict) -> None:
     (key,) = bad
-    raises_one_line(PassiveBuffer, **bad, match=f"algo.{key}=")
+    where = "algo.parts.passive_buffer." if key == "pairs" else "algo."  # pairs is set on the part (fedxl_localpair)
+    raises_one_line(PassiveBuffer, **bad, match=f"{where}{key}=")

@@ -35,7 +35,7 @@ def _is_int(v: object) -> bool:
 
 
 def _is_real(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _is_epochs(v: object) -> bool:

@@ -18,6 +18,7 @@ batch statistics, its running statistics untouched); the evaluation then runs in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields, count
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 
 if TYPE_CHECKING:
@@ -51,13 +52,17 @@ class Adapt(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = AdaptParams(**params)
-        if p.steps < 0:
-            raise bad_value("algo.adapt_steps", p.steps, ">= 0 (0: the global model)")
+        check_fields(
+            p, "algo.", {"steps": "algo.adapt_steps", "lr": "algo.adapt_lr", "also_steps": "algo.adapt_also_steps"}
+        )
+        count("algo.adapt_steps", p.steps, 0)  # 0: the global model
         if not p.lr > 0:
             raise bad_value("algo.adapt_lr", p.lr, "> 0")
-        object.__setattr__(p, "also_steps", tuple(int(k) for k in p.also_steps))
-        if any(k < 0 for k in p.also_steps):
-            raise bad_value("algo.adapt_also_steps", list(p.also_steps), "step counts >= 0")
+        if not isinstance(p.also_steps, Sequence) or isinstance(p.also_steps, str):
+            raise bad_value("algo.adapt_also_steps", p.also_steps, "must be a list of step counts, e.g. [5]")
+        for k in p.also_steps:
+            count("algo.adapt_also_steps", k, 0)
+        object.__setattr__(p, "also_steps", tuple(p.also_steps))
         self._steps = p.steps
 
     @override

@@ -83,6 +83,8 @@ class CentralDP(Budgeted):
             raise bad_value("privacy.target_quantile", p.target_quantile, "in (0, 1)")
         if not p.clip_lr > 0:
             raise bad_value("privacy.clip_lr", p.clip_lr, "> 0")
+        if p.count_noise is not None and not p.count_noise > 0:
+            raise bad_value("privacy.count_noise", p.count_noise, "> 0, or null for the expected cohort / 20")
         self.clip = float(p.clip)  # C, moved by adaptive clipping
         self.sigma: float | None = p.noise_multiplier  # sigma, or calibrated at the fit's start
         self.mechanism: privacy.Mechanism | None = None
@@ -109,6 +111,7 @@ class CentralDP(Budgeted):
         if self.sigma is None:
             self.sigma = privacy.calibrate(p.target_epsilon, mechanism, rounds, p.delta, p.accountant)
         self.mechanism = dataclasses.replace(mechanism, noise_multiplier=float(self.sigma))
+        privacy.accounted(self.mechanism, rounds, p.delta, p.accountant)  # the ledger's last ask, before any write
         if p.adaptive:
             try:
                 self._update_sigma()

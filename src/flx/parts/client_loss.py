@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from flx.errors import check_fields
 from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback
 
@@ -62,7 +63,8 @@ class ClientLoss(FederatedCallback):
     """Logs ``max_i f_i`` and ``mean_i f_i`` of the global model after each validated round."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.params = ClientLossParams(bool(enabled))
+        self.params = ClientLossParams(enabled)
+        check_fields(self.params, "algo.", {"enabled": "algo.client_loss"})
         self.last: Tensor | None = None  # the latest (N,) vector, for inspection
 
     @override

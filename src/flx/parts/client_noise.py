@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, number_error
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
@@ -38,6 +38,10 @@ class ClientNoise(FederatedCallback):
     """
 
     def __init__(self, mu0: float = -0.08, delta: float = 0.01, sigma: float = 0.2) -> None:
+        for key, value in (("mu0", mu0), ("delta", delta), ("sigma", sigma)):
+            err = number_error(f"algo.parts.noise.{key}", value)
+            if err is not None:
+                raise err
         if not sigma >= 0:
             raise bad_value("algo.parts.noise.sigma", sigma, "must be >= 0")
         self.mu0, self.delta, self.sigma = float(mu0), float(delta), float(sigma)

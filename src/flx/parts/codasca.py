@@ -45,7 +45,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.aggregation import flat_views
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.losses import aucm, xrisk
 from flx.models import heads
@@ -79,6 +79,7 @@ class Codasca(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = CodascaParams(**params)
+        check_fields(p, "algo.")
         for key, value, allowed in (
             ("control", p.control, ("grad_mean", "none")),
             ("alpha_grad", p.alpha_grad, ("ab", "stochastic")),
@@ -86,8 +87,14 @@ class Codasca(FederatedCallback):
         ):
             if value not in allowed:
                 raise bad_value(f"algo.{key}", value, f"allowed: {', '.join(allowed)}")
-        if not p.gamma > 0 or not p.decay >= 1 or p.t0 < 1:
-            raise bad_value("algo.gamma/decay/t0", (p.gamma, p.decay, p.t0), "gamma > 0, decay >= 1, t0 >= 1")
+        for key, ok, allowed in (
+            ("margin", p.margin > 0, "the AUC margin, must be > 0"),
+            ("gamma", p.gamma > 0, "must be > 0"),
+            ("decay", p.decay >= 1, "must be >= 1"),
+            ("t0", p.t0 >= 1, "must be >= 1"),
+        ):
+            if not ok:
+                raise bad_value(f"algo.{key}", getattr(p, key), allowed)
         if p.clip is not None and not p.clip > 0:
             raise bad_value("algo.clip", p.clip, "a positive number, or null for no clipping")
         if p.p is not None and not 0 < p.p < 1:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.parts.fbe import as_regularizer
 from flx.parts.personal_model import from_state, install, keep, stored
@@ -56,6 +56,7 @@ class Ditto(FederatedCallback):
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = DittoParams(**params)
+        check_fields(p, "algo.")
         if not p.lam >= 0:
             raise bad_value("algo.lam", p.lam, "Ditto's lambda, >= 0")
         if p.personal_lr is not None and not p.personal_lr > 0:

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from flx import privacy
 from flx.clipping import CLIP_MODES
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
@@ -33,7 +33,9 @@ class BudgetParams:
     accountant: str = "pld"
 
     def check(self, clipped: str) -> None:
-        """One line for a bad value (:class:`flx.errors.ConfigError`); ``clipped`` says what the clip bounds."""
+        """One line for a bad value (:class:`flx.errors.ConfigError`); ``clipped`` says what the clip bounds. The
+        values of every field (the subclass's too) are checked for their types first: finite numbers, booleans."""
+        check_fields(self, "privacy.")
         if not self.clip > 0:
             raise bad_value("privacy.clip", self.clip, f"the L2 clip of {clipped}, > 0")
         if self.clip_mode not in CLIP_MODES:

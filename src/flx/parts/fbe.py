@@ -47,7 +47,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.autodiff import FD_EPS, HVP_MODES, sq_norm
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer, make_regularizer
 from flx.sampling import derive_seed, fresh_rows
@@ -67,7 +67,7 @@ def as_regularizer(regularizer: Regularizer | Mapping[str, Any] | None) -> Regul
         return regularizer
     if regularizer is None:
         return make_regularizer(None)
-    return make_regularizer({k: tuple(v) if k == "params" else v for k, v in regularizer.items()})
+    return make_regularizer(regularizer)  # which checks every value, the params patterns included
 
 
 def full_grad(fed: FederationView, w: Sequence[Tensor], rows: Tensor, chunk: int = 4096) -> list[Tensor]:
@@ -170,6 +170,7 @@ class FBE(FederatedCallback):
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = FBEParams(**params)
+        check_fields(p, "algo.")
         if not p.lam > 0:
             raise bad_value("algo.lam", p.lam, "the FBE parameter lambda, > 0 (the theory wants lambda > L)")
         if p.hessian not in HVP_MODES:

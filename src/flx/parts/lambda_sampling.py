@@ -49,7 +49,7 @@ from typing_extensions import override
 
 from flx import simplex
 from flx.autodiff import loss_at
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback, first_answer
 from flx.parts import lambda_report
@@ -88,6 +88,7 @@ class LambdaSampling(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = LambdaParams(**params)
+        check_fields(p, "algo.")
         for key, value, allowed in (
             ("mode", p.mode, ("drfa", "ga")),
             ("regularizer", p.regularizer, ("none", "kl", "chi2")),

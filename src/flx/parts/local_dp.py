@@ -134,10 +134,14 @@ class LocalDP(Budgeted):
         default plans one run a round; the budget's round check holds the target whatever the draws."""
         p = self.params
         self.releases = int(any(part.loss_uploads for part in parts))
-        if self.sigma is not None:
-            return
         cases = {(self._mechanism(i, 1.0), self._per_round(i) * self.rounds_planned) for i in self.sizes}
         worst = sorted(cases, key=lambda c: (-c[0].q, -c[1]))
+        if self.sigma is not None:  # the ledger's largest ask, before any write
+            for mech, steps in worst[:1]:
+                privacy.accounted(
+                    dataclasses.replace(mech, noise_multiplier=self.sigma), steps, p.delta, p.accountant, "steps"
+                )
+            return
         sigma = 0.0
         for mech, steps in worst:  # the next client needs more noise only if it spends more at the current sigma
             current = dataclasses.replace(mech, noise_multiplier=sigma)

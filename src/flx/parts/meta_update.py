@@ -45,7 +45,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.autodiff import HVP_MODES, sq_norm
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.parts.personal_model import from_state, keep
 
@@ -92,13 +92,16 @@ class MetaUpdate(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = MetaUpdateParams(**params)
+        check_fields(p, "algo.")
         if not p.alpha >= 0:
             raise bad_value("algo.alpha", p.alpha, "the adaptation step alpha, >= 0")
         if not p.rho > 0:
             raise bad_value("algo.rho", p.rho, "the ADMM penalty rho, > 0")
         if p.hessian not in HVP_MODES:
             raise bad_value("algo.hessian", p.hessian, f"allowed: {', '.join(HVP_MODES)}")
-        if not (p.delta_scale >= 0 and p.delta_offset > 0):
+        if not p.delta_scale >= 0:
+            raise bad_value("algo.delta_scale", p.delta_scale, "delta_t = 1/(scale t + offset) needs scale >= 0")
+        if not p.delta_offset > 0:
             raise bad_value("algo.delta_offset", p.delta_offset, "delta_t = 1/(scale t + offset) needs offset > 0")
         if p.delta_index not in DELTA_INDEX:
             raise bad_value("algo.delta_index", p.delta_index, f"allowed: {', '.join(DELTA_INDEX)}")

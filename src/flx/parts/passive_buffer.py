@@ -48,7 +48,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.aggregation import flat_views
-from flx.errors import ConfigError, bad_value
+from flx.errors import ConfigError, bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.losses import xrisk
 from flx.models import heads
@@ -108,18 +108,24 @@ class PassiveBuffer(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
+        keys = {k: f"algo.parts.passive_buffer.{k}" for k in ("compositional", "pairs")}  # set on the part itself
+        check_fields(p, "algo.", keys)
         for key, allowed in CHOICES.items():
             if getattr(p, key) not in allowed:
-                raise bad_value(f"algo.{key}", getattr(p, key), f"allowed: {', '.join(allowed)}")
+                raise bad_value(keys.get(key, f"algo.{key}"), getattr(p, key), f"allowed: {', '.join(allowed)}")
         if p.loss not in LOSSES:
             raise bad_value("algo.loss", p.loss, f"allowed: {', '.join(LOSSES)}")
         for key in ("b1", "b2", "depth"):
             if getattr(p, key) < 1:
                 raise bad_value(f"algo.{key}", getattr(p, key), "must be >= 1")
-        if not (0 < p.gamma <= 1 and 0 < p.beta <= 1 and p.lam > 0 and p.u0 > 0):
-            raise bad_value(
-                "algo.gamma/beta/lam/u0", (p.gamma, p.beta, p.lam, p.u0), "gamma, beta in (0, 1]; lam, u0 > 0"
-            )
+        for key, ok, allowed in (
+            ("gamma", 0 < p.gamma <= 1, "must be in (0, 1]"),
+            ("beta", 0 < p.beta <= 1, "must be in (0, 1]"),
+            ("lam", p.lam > 0, "must be > 0"),
+            ("u0", p.u0 > 0, "must be > 0"),
+        ):
+            if not ok:
+                raise bad_value(f"algo.{key}", getattr(p, key), allowed)
         kw = {"margin": p.margin} | ({"lam": p.lam} if p.loss == "kl_opauc" else {})
         self.ell = functools.partial(LOSSES[p.loss], **({} if p.loss == "psm" else kw))
         self.f_prime = functools.partial(xrisk.kl_opauc_outer_prime, lam=p.lam)

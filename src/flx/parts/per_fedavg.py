@@ -27,7 +27,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.autodiff import HVP_MODES
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.parts.meta_update import maml_gradient
 
@@ -49,6 +49,7 @@ class PerFedAvg(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PerFedAvgParams(**params)
+        check_fields(p, "algo.")
         if not p.alpha >= 0:
             raise bad_value("algo.alpha", p.alpha, "the inner step alpha, >= 0")
         if p.hessian not in HVP_MODES:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields, count
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.parts.fbe import as_regularizer, full_grad
 from flx.parts.moreau import default_tol, moreau_solve
@@ -91,20 +91,18 @@ class PFedMe(FederatedCallback):
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = PFedMeParams(**params)
+        check_fields(p, "algo.")
         if not p.lam > 0:
             raise bad_value("algo.lam", p.lam, "pFedMe's lambda, > 0")
         if not p.personal_lr > 0:
             raise bad_value("algo.personal_lr", p.personal_lr, "the inner step size nu, > 0")
-        if p.inner_steps < 1:
-            raise bad_value("algo.inner_steps", p.inner_steps, "the inner steps K, >= 1")
+        count("algo.inner_steps", p.inner_steps, 1)  # the inner steps K
         if p.personal not in PERSONAL:
             renamed = " ('solve' is now 'steps')" if p.personal == "solve" else ""
             raise bad_value("algo.personal", p.personal, f"allowed: {', '.join(PERSONAL)}{renamed}")
         if p.personal_tol is not None and not (isinstance(p.personal_tol, (int, float)) and 0 < p.personal_tol < 1):
             raise bad_value("algo.personal_tol", p.personal_tol, "the relative tolerance, in (0, 1), or null")
-        steps = p.personal_max_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise bad_value("algo.personal_max_steps", p.personal_max_steps, "an integer >= 1")
+        count("algo.personal_max_steps", p.personal_max_steps, 1)
         self.reg = as_regularizer(regularizer)
         self.memo: dict[int, list[Tensor]] = {}  # cid -> theta_i(w) (optimum), on the CPU, for the global model below
         self.memo_w: list[Tensor] | None = None

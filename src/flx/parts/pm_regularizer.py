@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields, number_error
 from flx.hooks import FederatedCallback
 from flx.losses.crd import CRD
 from flx.losses.distill import RH_OPTIONS, l2_to_pm_grad, logit_kd
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 GRADIENTS = ("paper", "code")
 _TAG = 0x414647  # "AFG": the server minibatch order and the CRD negatives of round t
+
+
+CRD_COUNTS = ("feat_dim", "num_negatives")  # algo.crd's integer keys; the others are real numbers
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,12 @@ class PMRegularizer(FederatedCallback):
         if params.get("pm_model") is not None:
             params["pm_model"] = dict(params["pm_model"])
         self.params = p = PMParams(**params)
+        check_fields(p, "algo.", {"batch_size": "algo.kt_batch_size", "gradient": "algo.rh_gradient"})
+        PretrainParams(**p.pretrain, key_prefix="algo.pm_pretrain.")  # its checks, before the run writes anything
+        for key, value in p.crd.items():
+            err = number_error(f"algo.crd.{key}", value, integer=key in CRD_COUNTS)
+            if err is not None:
+                raise err
         if not p.lam >= 0:
             raise bad_value("algo.lam", p.lam, "the weight lambda of R_h, >= 0 (0: no PM)")
         if p.rh not in RH_OPTIONS:

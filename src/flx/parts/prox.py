@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ class Prox(FederatedCallback):
     data_free_steps = True  # the term reads the models only: local DP-SGD's clipped gradient stays private
 
     def __init__(self, mu: float = 0.01) -> None:
+        check_fields(ProxParams(mu=mu), "algo.")
         if not mu >= 0:
             raise bad_value("algo.mu", mu, "must be >= 0")
         self.params = ProxParams(mu=float(mu))

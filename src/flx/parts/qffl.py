@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.errors import bad_value
+from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ class QFFL(FederatedCallback):
     uploads = ("its loss (q-FFL's h_i weights)",)
 
     def __init__(self, q: float = 0.2, lipschitz: float | None = None) -> None:
+        check_fields(QFFLParams(q=q, lipschitz=lipschitz), "algo.")
         if not 0 <= q < math.inf:
             raise bad_value("algo.q", q, "must be a finite number >= 0 (q = 0 is FedAvg)")
         if lipschitz is not None and not 0 < lipschitz < math.inf:

@@ -28,7 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.datamodules.pfedfbe_data import client_truth
-from flx.errors import bad_value
+from flx.errors import bad_value, number_error
 from flx.metrics.sparse import THRESHOLD, numerical_rank, recovery_error, support_scores
 from flx.parts.logged import LoggedMetrics
 
@@ -48,6 +48,9 @@ class Structure(LoggedMetrics):
     """
 
     def __init__(self, param: str = "*weight", threshold: float = THRESHOLD) -> None:
+        err = number_error("algo.parts.structure.threshold", threshold)
+        if err is not None:
+            raise err
         if not threshold > 0:
             raise bad_value("algo.parts.structure.threshold", threshold, "must be > 0")
         self.param, self.threshold = param, float(threshold)

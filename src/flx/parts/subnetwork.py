@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from flx.errors import ConfigError, bad_value
+from flx.errors import MAX_INT, ConfigError, bad_value, check_fields, count
 from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
 from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
@@ -87,8 +87,14 @@ class Subnetwork(FederatedCallback):
 
     def __init__(self, **params: Any) -> None:
         if "max_levels" in params and params["max_levels"] is not None:
-            params["max_levels"] = {str(k): int(v) for k, v in dict(params["max_levels"]).items()}
+            levels = params["max_levels"]
+            if not isinstance(levels, Mapping):
+                raise bad_value("algo.max_levels", levels, "a mapping from device type to its largest level")
+            for k, v in levels.items():
+                count(f"algo.max_levels.{k}", v, 1)
+            params["max_levels"] = {str(k): v for k, v in levels.items()}
         self.params = p = SubnetworkParams(**params)
+        check_fields(p, "algo.")
         for key, value, allowed in (
             ("scheduler", p.scheduler, wu.SCHEDULERS),
             ("extractor", p.extractor, MODES),
@@ -106,6 +112,9 @@ class Subnetwork(FederatedCallback):
             raise bad_value("algo.fisher_batches", p.fisher_batches, ">= 1, or null for every local step")
         if p.D < 1 or p.levels < 1:
             raise bad_value("algo.D" if p.D < 1 else "algo.levels", min(p.D, p.levels), "must be >= 1")
+        count("algo.bn_batch", p.bn_batch, 1, MAX_INT)
+        if p.target_acc is not None and not 0 <= p.target_acc <= 1:
+            raise bad_value("algo.target_acc", p.target_acc, "a fraction in [0, 1] that target_metric reaches, or null")
         if any(not 1 <= v <= p.levels for v in p.max_levels.values()):
             raise bad_value("algo.max_levels", dict(p.max_levels), f"levels in 1..{p.levels}")
         self.windows: list[list[float]] = []  # per client, the last D rounds' mean FI^2 (oldest first)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +66,13 @@ class SystemParams:
     trace_seed: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "types", tuple(self.types))
-        object.__setattr__(self, "link_rates_mbps", tuple(self.link_rates_mbps))
+        for key in ("types", "link_rates_mbps"):
+            value = getattr(self, key)
+            if isinstance(value, str) or not isinstance(value, Iterable):
+                raise bad_value(f"system.{key}", value, "must be a list")
+            object.__setattr__(self, key, tuple(value))
+        if not isinstance(self.profile, str):
+            raise bad_value("system.profile", self.profile, f"allowed: {', '.join(PROFILES)}")
         self._check()
 
     def _check(self) -> None:
