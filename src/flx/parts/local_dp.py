@@ -78,8 +78,8 @@ class LocalDP(Budgeted):
         p.check("one row's gradient")
         if not p.loss_clip > 0:
             raise bad_value("privacy.loss_clip", p.loss_clip, "the bound a row's released loss is clipped to, > 0")
-        runs = p.runs_per_round
-        if isinstance(runs, bool) or not isinstance(runs, int) or not 1 <= runs <= privacy.MAX_RUNS_PER_ROUND:
+        runs = p.runs_per_round  # an integer (check_fields)
+        if not 1 <= runs <= privacy.MAX_RUNS_PER_ROUND:
             allowed = f"an integer from 1 to {privacy.MAX_RUNS_PER_ROUND} (the runs a round calibration plans a client)"
             raise bad_value("privacy.runs_per_round", runs, allowed)
         self.sigma: float | None = p.noise_multiplier
