@@ -190,7 +190,7 @@ VALUES = st.one_of(
 )
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=st.sampled_from(KEYS), value=VALUES)
 def test_random_values_are_refused_in_one_line_or_accepted(case: tuple[str, str, str], value: Any) -> None:
     _judge(*case, value)
