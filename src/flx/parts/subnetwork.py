@@ -115,9 +115,10 @@ class Subnetwork(FederatedCallback):
         count("algo.bn_batch", p.bn_batch, 1, MAX_INT)
         if p.target_acc is not None and not 0 <= p.target_acc <= 1:
             raise bad_value("algo.target_acc", p.target_acc, "a fraction in [0, 1] that target_metric reaches, or null")
-        if any(not 1 <= v <= p.levels for v in p.max_levels.values()):
-            why = f"each device's level in 1..{p.levels} (algo.levels={p.levels}: raise it or lower these)"
-            raise bad_value("algo.max_levels", dict(p.max_levels), why)
+        for device, v in p.max_levels.items():
+            if not 1 <= v <= p.levels:
+                why = f"a level in 1..{p.levels} (algo.levels={p.levels}: raise it or lower this)"
+                raise bad_value(f"algo.max_levels.{device}", v, why)
         self.windows: list[list[float]] = []  # per client, the last D rounds' mean FI^2 (oldest first)
         self.levels: dict[int, int] = {}  # this round's level per cohort client
         self.time_to_target: float | None = None
