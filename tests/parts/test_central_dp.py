@@ -249,7 +249,7 @@ def test_divergence_cause_claims_the_noise_only_when_it_outweighs_the_update(sig
 def test_under_adaptive_clipping_the_quantile_is_the_clip_lever() -> None:
     """Adaptive clipping moves C to a quantile of the update norms, so lowering ``privacy.clip`` (the initial C) would
     change nothing: a noise-dominated adaptive run names ``privacy.target_quantile`` (or a small fixed clip)."""
-    dp = _dp(clip=0.05, adaptive=True, count_noise=20.0, noise_multiplier=30.0)
+    dp = _dp(clip=0.05, adaptive=True, target_quantile=0.5, count_noise=20.0, noise_multiplier=30.0)
     fed = make_fed(linear(), toy_data([20, 30, 25, 40]), [dp], clients_per_round=2, rounds=1, lr=0.5, local_steps=5)
     run_rounds(fed, 1)
     line = dp.divergence_cause(fed, 1)

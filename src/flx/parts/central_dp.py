@@ -65,7 +65,7 @@ class PrivacyParams(BudgetParams):
 
     clip: float = 0.1
     adaptive: bool = False
-    target_quantile: float = 0.5
+    target_quantile: float = 0.1  # not the paper's median: see docs/privacy.md, adaptive clipping
     clip_lr: float = 0.2
     count_noise: float | None = None
 
