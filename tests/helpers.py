@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.federation import Federation, FederationConfig, FederationSpec
-from flx.hooks import FederatedCallback
+from flx.hooks import Build, FederatedCallback
+from flx.traits import PartTraits
 
 
 def toy_data(sizes: Sequence[int], dim: int = 5, classes: int = 3, seed: int = 0, dtype=torch.float32) -> ClientStore:
@@ -57,6 +58,14 @@ def make_fed(
         broadcast=broadcast,
         server=resources,
     )
+
+
+def build_of(
+    parts: Sequence[FederatedCallback], cfg: FederationConfig | None = None, net: nn.Module | None = None, data=None
+) -> Build:
+    """What a part's ``check`` sees (:class:`flx.hooks.Build`) for ``parts`` on a small federation: ``cfg`` (default
+    settings), ``net`` (a 5 -> 3 linear layer) and ``data`` (four clients of 10 rows) unless given."""
+    return Build(cfg or FederationConfig(), net or linear(), tuple(parts), data or toy_data([10, 10, 10, 10]))
 
 
 def run_rounds(fed: Federation, rounds: int, start: int = 0) -> None:
@@ -226,3 +235,22 @@ class SignalAtFitStart(FederatedCallback):
         import signal
 
         os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class RecordOrder(FederatedCallback):
+    """Records the order of a part's build check, attach and state load (class-level: the run builds its own)."""
+
+    traits = PartTraits(uploads={})
+    calls: list[str] = []
+
+    def check(self, build: Build) -> None:
+        RecordOrder.calls.append("check")
+
+    def on_attach(self, fed) -> None:
+        RecordOrder.calls.append("on_attach")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"saved": 1}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        RecordOrder.calls.append("load_state_dict")

@@ -9,12 +9,18 @@ from flx.hooks import FederatedCallback
 from flx.parts.lambda_sampling import LambdaSampling
 from flx.parts.passive_buffer import PassiveBuffer
 from flx.tasks import Classification, Custom, MaskedLM, Regression
+from flx.traits import PartTraits
 
 
 def test_headline_is_the_tasks_then_the_parts_without_repeats() -> None:
     """The task's names come first, then each part's in list order; a name given twice is shown once; a plain
-    Lightning callback (no ``headline``) and a part without one add nothing."""
-    parts = [PassiveBuffer(), FederatedCallback(), SimpleNamespace(), SimpleNamespace(headline=("acc", "extra"))]
+    Lightning callback (no ``headline``) and a part without one add nothing (a part names them in its traits)."""
+    parts = [
+        PassiveBuffer(),
+        FederatedCallback(),
+        SimpleNamespace(),
+        SimpleNamespace(traits=PartTraits(headline=("acc", "extra"))),
+    ]
     assert headline(Classification(), parts) == ("acc", "auroc", "pauc_0.3", "pauc_0.5", "extra")
     assert headline(Regression(), [LambdaSampling()]) == ("mse", "client_acc_worst", "client_mse_worst")
     assert headline(MaskedLM(), []) == ("acc", "ppl")

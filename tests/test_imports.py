@@ -98,9 +98,9 @@ FLOORS = (
     " local_sgd autodiff simplex regularizers losses metrics aggregation checkpoint_io wandb_files wandb_logging launch"
     " signals run_folder loggers privacy clipping",
     # 1: data, models, tasks, and the types of the round protocol
-    "models datamodules task_spec tasks resources context",
+    "models datamodules task_spec tasks resources context traits",
     # 2: the round's pieces, and the parts that plug into them
-    "hooks faults round_buffer probe services evaluation clients vectorized parts",
+    "hooks composition faults round_buffer probe services evaluation clients vectorized parts",
     # 3: the orchestrator
     "federation",
     # 4: Lightning: the loop, the module, the process callbacks

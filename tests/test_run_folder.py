@@ -379,8 +379,8 @@ def test_a_run_killed_before_its_first_checkpoint_continues_with_ckpt_path_auto(
 
 
 # ---------------------------------------------------------------------------------------------- config-only checks
-# a failing command line for every part whose check_setup / check_federation can fail (Structure's only reads the
-# data), and the message it gives
+# a failing command line for every part whose build check can fail (its own ``check``, or a rule over its traits:
+# the aggregator it needs), and the message it gives
 FAILING = {
     "Codasca": (["algo=codasca", "data=digits_binary", "algo.local_epochs=1"], "CODASCA counts stages in steps"),
     "PassiveBuffer": (
@@ -403,12 +403,12 @@ FAILING = {
         "privacy=local: the net has BatchNorm",
     ),
 }
-# Structure's check_setup computes the clients' ground truth, Objective's reads which splits hold per-client rows
+# Structure's check computes the clients' ground truth, Objective's reads which splits hold per-client rows
 NEVER_FAILS = {"Structure", "Objective"}
 
 
 def _checking_parts() -> set[str]:
-    """Every part class in flx.parts that overrides check_setup or check_federation."""
+    """Every part class in flx.parts that overrides ``check`` or declares the aggregator it needs."""
     import importlib
     import pkgutil
 
@@ -417,7 +417,7 @@ def _checking_parts() -> set[str]:
         module = importlib.import_module(f"flx.parts.{info.name}")
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, FederatedCallback) and cls.__module__ == module.__name__:
-                if any(hook in vars(cls) for hook in ("check_setup", "check_federation")):
+                if "check" in vars(cls) or cls.traits.aggregator is not None:
                     found.add(cls.__name__)
     return found
 
@@ -483,8 +483,8 @@ def test_a_continuing_run_leaves_the_split_files_as_they_are(tmp_path: Path) -> 
 
 
 def test_every_part_that_logs_says_what_it_logs() -> None:
-    """A part whose code logs metrics (``.log(`` / ``log_dict(`` / ``log_personal_metrics(``) overrides
-    ``metric_names`` (what ``checkpoint.monitor`` is checked against)."""
+    """A part whose code logs metrics (``.log(`` / ``log_dict(`` / ``log_personal_metrics(``) declares them
+    (``traits.metrics``: what ``checkpoint.monitor`` is checked against)."""
     import importlib
     import pkgutil
 
@@ -496,7 +496,7 @@ def test_every_part_that_logs_says_what_it_logs() -> None:
                 continue
             source = inspect.getsource(cls)
             logs = any(call in source for call in (".log(", "log_dict(", "log_personal_metrics("))
-            if logs and not any("metric_names" in vars(c) for c in cls.__mro__ if c is not FederatedCallback):
+            if logs and not (cls.traits.metrics or "metrics=" in source):  # set in __init__ / check when it depends
                 silent.append(cls.__name__)
     assert silent == []
 

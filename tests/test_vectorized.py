@@ -19,6 +19,7 @@ from flx.hooks import FederatedCallback
 from flx.parts.lambda_sampling import LambdaSampling
 from flx.parts.prox import Prox
 from flx.tasks import Classification
+from flx.traits import PartTraits
 
 SIZES = [7, 12, 30, 4, 19, 25, 1, 40, 9, 16]  # B = 5: below B, short last batches, full batches only
 
@@ -135,14 +136,14 @@ class _LocalLoss(FederatedCallback):
 
 
 class _Replaces(FederatedCallback):
-    vectorizable = True
+    traits = PartTraits(vectorizable=True)
 
     def local_update(self, fed, client):
         return None
 
 
 class _Grad(FederatedCallback):
-    vectorizable = True
+    traits = PartTraits(vectorizable=True)
 
     def on_local_grad(self, fed, client) -> None: ...
 

@@ -24,12 +24,9 @@ from torch import Tensor
 
 from flx.context import ClientContext, Core
 from flx.faults import all_finite
-from flx.hooks import first_answer
+from flx.hooks import STEP_HOOKS, first_answer
 from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
 from flx.sampling import derive_seed
-
-STEP_HOOKS = ("sample_batch", "local_grad", "local_loss", "on_local_grad", "on_local_step_end")
-"""The hooks that run inside each local step (the sequential steps skip their bookkeeping when no part has any)."""
 
 
 class ClientRunner:
@@ -150,7 +147,7 @@ class ClientRunner:
         plain = is_plain_sgd(opt)
         zero_grad = (lambda: clear_grads(opt)) if plain else (lambda: opt.zero_grad(set_to_none=True))
         step = (lambda: sgd_step(opt)) if plain else opt.step
-        hooked = any(fed.parts_with(h) for h in STEP_HOOKS)
+        hooked = any(fed.parts_with(h) for h in STEP_HOOKS)  # else the steps skip their bookkeeping
         rules, loss_parts, grad_parts, end_parts = (
             fed.parts_with(h) for h in ("local_grad", "local_loss", "on_local_grad", "on_local_step_end")
         )

@@ -1,7 +1,7 @@
 """What a run prints: its headline metrics, and the final line ``final test_acc=0.9123 test_auroc=0.8812``.
 
 A run's headline metrics are named by the task (``Task.headline``: ``acc`` for classification, ``mse`` for
-regression) and then by the algorithm's parts (``FederatedCallback.headline``: FeDXL's ``auroc`` and ``pauc_*``,
+regression) and then by the algorithm's parts (``PartTraits.headline``: FeDXL's ``auroc`` and ``pauc_*``,
 DRFA's ``client_acc_worst``), without the split: the progress bar shows them from the latest evaluation
 (``val/<name>``) and the final line from the test (``test/<name>``). A name the run did not log is left out.
 """
@@ -16,7 +16,8 @@ def headline(task: Any, parts: Iterable[Any]) -> tuple[str, ...]:
     """The task's headline names, then each part's (list order), without repeats."""
     names = [*getattr(task, "headline", ())]
     for part in parts:
-        names += getattr(part, "headline", ())
+        traits = getattr(part, "traits", None)  # a part's (flx.traits.PartTraits); other callbacks have none
+        names += traits.headline if traits is not None else ()
     return tuple(dict.fromkeys(names))
 
 

@@ -1,7 +1,7 @@
 """The round protocol's narrow door: what parts receive and the one type of the federation they see.
 
 - :class:`FederationConfig`: the settings (``algo.*``); :class:`FederationSpec`: what the federation is built from
-  (what ``check_federation`` sees); :class:`Round`: one round's plan and accumulators;
+  (its settings, store and simulator); :class:`Round`: one round's plan and accumulators;
   :class:`ClientContext`: one client's scope; :class:`Cohort`: stacked clients (``algo.vectorize``);
   :class:`ClientData`: the client store.
 - :class:`FederationView`: the ``fed`` every hook receives, exactly the helpers of docs/round_protocol.md ("Core
@@ -90,19 +90,23 @@ class FederationConfig:
 
 @dataclass
 class FederationSpec:
-    """What a run's federation is built from before the net and the process group exist: run.py makes it, parts check
-    it (``check_federation``), and the module builds the :class:`Federation` from it when the fit starts.
+    """What a run's federation is built from before the net and the process group exist: run.py makes it, the build
+    checks its parts (:func:`flx.composition.check`), and the module builds the :class:`Federation` from it when the
+    fit starts.
 
     Attributes:
         cfg: the round-protocol hyper-parameters.
         store: per-client persistent state (in memory by default).
         system: the device / latency simulator (``system=mobile20``; docs/systems.md), or None: ``fed.system``, which
             parts query, and the simulated clock ``fed.clock`` (``sim/round_time``, ``sim/clock``).
+        checked: the parts the run's build already checked (:func:`flx.composition.check`); the federation checks
+            any other list itself.
     """
 
     cfg: FederationConfig = field(default_factory=FederationConfig)
     store: ClientStateStore = field(default_factory=ClientStateStore)
     system: LatencySimulator | None = None
+    checked: tuple[object, ...] = ()
 
 
 class Round:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from flx import evaluation, vectorized
+from flx import composition, evaluation, vectorized
 from flx.aggregation import ReduceFn
 from flx.clients import Sequential
 from flx.context import ClientContext, ClientData, FederationConfig, FederationSpec, Round
@@ -41,7 +41,7 @@ from flx.faults import (
     optimizer_cause,
     reference_rows,
 )
-from flx.hooks import HOOKS, FederatedCallback, RoundRefused, first_answer, overrides
+from flx.hooks import HOOKS, Build, FederatedCallback, RoundRefused, first_answer, overrides
 from flx.round_buffer import COUNTERS
 from flx.sampling import SAMPLE_TAG, derive_seed, derive_seeds, number_copies, shard_greedy, uniform_cohort
 from flx.server import ServerOptimizer, StepMoves
@@ -103,9 +103,14 @@ class Federation(PartServices):
         self.reduce_sum, self.gather, self.resources = reduce_sum, gather, server
         self.store.bind_rank(rank, world_size)
         self.parts = list(parts)
+        if len(self.spec.checked) != len(self.parts) or any(a is not b for a, b in zip(self.spec.checked, self.parts)):
+            composition.check(Build(cfg, net, tuple(self.parts), data, self.system, server))  # without the run's checks
         self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
+        self._attaching: FederatedCallback | None = None  # the part whose on_attach runs (register_stat checks it)
         for part in self._hooked["on_attach"]:  # parts register their statistics before the buffer is laid out
+            self._attaching = part
             part.on_attach(self)
+        self._attaching = None
         self.aggregator = self.buffer.allocate(self.local_state, cfg.aggregator)
         self.server_opt = ServerOptimizer(self.global_params, cfg.server)
         self.local_opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -114,6 +119,18 @@ class Federation(PartServices):
         # ||mean - w^t|| when a part answers divergence_cause; as many as a divergence streak reaches back
         self._steps: dict[int, tuple[StepMoves, Tensor | None]] = {}
         self._keep = (cfg.diverge_rounds if cfg.diverge_factor is not None else 0) + 1
+
+    def register_stat(self, name: str, like: Tensor | Sequence[Tensor]) -> None:
+        """:meth:`flx.services.PartServices.register_stat`, for the part being attached: a part that declares its
+        uploads (``traits.uploads``) registers only the channels it declares (a statistic is what its clients send)."""
+        part = self._attaching
+        if part is not None and part.traits.declared and name not in part.traits.channels():
+            declared = ", ".join(part.traits.channels()) or "none"
+            raise ValueError(
+                f"{type(part).__name__} registers the statistic {name!r}, a channel its traits do not declare "
+                f"(PartTraits.uploads: {declared}); declare what its clients send"
+            )
+        super().register_stat(name, like)
 
     def divergence_cause(self, since: int = 0) -> str:
         """What a divergence message ends with: the cause and the keys to change, with their values.

@@ -4,30 +4,31 @@ A part owns one mechanism and its state (``state_dict``/``load_state_dict`` as a
 so it is saved with the checkpoint). Parts are listed in the algorithm config; hook order is list order.
 Every hook is optional; the federation calls a hook only on the parts that override it.
 
-Build time: ``check_setup(datamodule, cfg)`` runs once the data is loaded and partitioned, then
-``check_federation(datamodule, fed, net)`` once what the federation is built from (its settings, its simulated
-system) and the net are, both before anything is written into the run folder and before the Trainer exists, so a
-part that cannot use the data, the protocol settings, the system or the net (an AUC part on a 10-class task, a
-step-counting part with ``local_epochs``, WHALE without simulated devices) stops the run with one line.
-``metric_names()`` says which metric keys the part logs (what ``checkpoint.monitor`` may name; checked at build
-time too).
+Build time: ``check(build)`` runs once the data is loaded and partitioned and the net is built (:class:`Build`),
+before anything is written into the run folder and before the Trainer exists, so a part that cannot use the data,
+the protocol settings, the system or the net (an AUC part on a 10-class task, a step-counting part with
+``local_epochs``, WHALE without simulated devices) stops the run with one line. What a part declares about itself
+(what its clients send, what its step hooks read, the services it provides or uses, its metrics) is its
+:class:`~flx.traits.PartTraits` value, ``traits``; which parts run together is decided from those declarations
+alone, in one table (:mod:`flx.composition`).
 
 ``on_attach(fed)`` runs when the federation is bound to the net and the data (fit start): a part declares its
 per-round statistics there (``fed.register_stat``), which ride in the round's one all-reduce, and creates its
-per-round state.
+per-round state. What exists when: ``check`` runs first (at the build), then ``on_attach`` (the part
+makes its fresh state), then, on resume, ``load_state_dict`` (the checkpoint's state replaces the fresh one: the
+module loads the parts' states once the federation is built; ``tests/test_composition.py``).
 
 Server side (run identically on every rank):
 
 =====================  ==========================================================================
 ``sample_clients``     choose the round's cohort; the first part returning non-None wins
-``refuse_round``       the cohort is drawn, nothing trained: why the round must not run (a privacy budget),
+``refuse_round``       the cohort is drawn, nothing trained: why the round must not run (a budget it would pass),
                        one line; the first answer stops the run before the round (:class:`RoundRefused`)
 ``on_round_start``     after sampling, before any client trains (broadcast buffers, draw t', ...)
 ``on_server_step``     after the one collective reduce, before the server optimizer (edit the mean)
 ``on_round_end``       after the server step; the net holds the new global model
-``release_loss``       a client's loss at a model, as it releases it (a privacy part noises it)
-``divergence_cause``   why the run diverged and the keys to change, when the part is the cause (DP
-                       noise); first non-None wins, else the optimizer's keys
+``divergence_cause``   why the run diverged and the keys to change, when the part is the cause (the
+                       noise it adds); first non-None wins, else the optimizer's keys
 =====================  ==========================================================================
 
 Client side (per client, on the rank that trains it):
@@ -49,16 +50,22 @@ model and undoes it on exit (:meth:`flx.federation.Federation.personalize`); the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 
-from flx.context import ClientContext, Cohort, FederationConfig, FederationSpec, FederationView, Round
-from flx.errors import ConfigError
+from flx.context import ClientContext, ClientData, Cohort, FederationConfig, FederationView, Round
+from flx.traits import PartTraits
+
+if TYPE_CHECKING:
+    from flx.resources import ServerResources
+    from flx.systems.simulator import LatencySimulator
 
 # the headline of a part that personalises (``personalize``): its clients' mean personalised metric, the task's
 # accuracy or MSE (``{split}/personal_<acc|mse>_mean``)
@@ -71,7 +78,6 @@ HOOKS = (
     "on_round_start",
     "on_server_step",
     "on_round_end",
-    "release_loss",
     "divergence_cause",
     "on_client_start",
     "local_update",
@@ -91,81 +97,36 @@ HOOKS = (
 class FederatedCallback(Callback):
     """Base class of algorithm parts. Override only the hooks the mechanism needs.
 
-    ``headline`` names the metrics the part logs that a person reads first (without the split: ``auroc`` for
-    ``val/auroc`` and ``test/auroc``); the progress bar and the final line show them after the task's own
-    (:mod:`flx.console`). Names a run did not log are left out.
+    ``traits`` holds every declaration (:class:`~flx.traits.PartTraits`: what its clients send, what its step
+    hooks read, its services, headline and metrics); a part replaces the value, never edits it. ``links`` holds the
+    parts :func:`flx.composition.link` linked to it, by service: its providers for a service it uses, its consumers
+    for one it provides.
     """
 
-    headline: tuple[str, ...] = ()
-    # algo.vectorize=true: a part that hooks the client path says True and gives its per-step hooks a cohort form
-    # (on_cohort_grad, on_cohort_step_end); flx.vectorized
-    vectorizable: bool = False
-    # what the part makes clients send besides their model update for the training to use (a statistic in the
-    # round's reduce, a value the server computes on their rows): each channel named for a person; a privacy
-    # guarantee on the model update does not cover them (check_uploads). Metrics logged for the researcher only
-    # (diagnostics) are not uploads
-    uploads: tuple[str, ...] = ()
-    # uploads that are client losses at a model the server holds, computed through release_loss: a privacy part that
-    # implements release_loss noises them (and accounts for them); any other guard refuses them as uploads
-    loss_uploads: tuple[str, ...] = ()
-    # what a privacy part's guarantee rests on, checked against the other parts at start (check_uploads):
-    # "uploads": clients send their model update only; "cohort": the part draws the cohort and reads the aggregate
-    # as the mean of the clipped updates; "steps": the part privatises the local steps, so the other parts' step
-    # hooks must not read the client's rows (they say data_free_steps)
-    guards: tuple[str, ...] = ()
-    # True for a part whose step hooks (on_local_grad, on_local_step_end and their cohort forms) read only the models
-    # (the local one, the round's global one), never the client's rows: FedProx's proximal term, a prox operator
-    data_free_steps: bool = False
+    traits: PartTraits = PartTraits()
+    links: Mapping[str, tuple[FederatedCallback, ...]] = MappingProxyType({})
 
     def final_values(self) -> dict[str, float | str]:
-        """Values the run's final line ends with (``epsilon=7.9800 private=all``), after the test's headline metrics;
+        """Values the run's final line ends with (``name=value``), after the test's headline metrics;
         W&B gets them as ``final/<key>`` in the run's last row (its summary)."""
         return {}
 
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        """Before the Trainer starts: raise a ConfigError for data or protocol settings the part cannot use.
+    def check(self, build: Build) -> None:
+        """Before the Trainer starts and before anything is written: raise a one-line ConfigError for data, protocol
+        settings, a system or a net the part cannot use, or settle what depends on them (a calibration). Called once
+        per run, by :func:`flx.composition.check` (the run's build, or a federation built directly)."""
 
-        ``datamodule`` is the set-up :class:`~flx.datamodules.datamodule.FederatedDataModule` (data loaded and
-        partitioned), ``cfg`` the round protocol's settings; a check here fails with one line before Lightning
-        prints anything.
-        """
-
-    def check_federation(self, datamodule: Any, fed: FederationSpec, net: nn.Module) -> None:
-        """After :meth:`check_setup`, before anything is written and before the Trainer starts: raise a ConfigError
-        for a federation or net the part cannot run on.
-
-        ``fed`` is what the federation will be built from (:class:`flx.context.FederationSpec`: ``fed.cfg``,
-        ``fed.store``, ``fed.system``; no data or net bound yet), ``net`` the run's model, ``datamodule`` as in
-        :meth:`check_setup`.
-        """
-
-    def check_parts(self, parts: Sequence[FederatedCallback]) -> None:
-        """After every part's :meth:`check_federation`, before anything is written: raise a ConfigError for other
-        parts (``parts``: all of the run's, this one included) the part cannot run beside, or settle what depends on
-        them (a privacy part's noise, calibrated for every release the other parts make)."""
-
-    def release_loss(self, fed: FederationView, cid: int, state: dict[str, Tensor], round_idx: int) -> float | None:
-        """Server, every rank: client ``cid``'s loss at the model ``state`` (``{name: tensor}`` for
-        ``torch.func.functional_call``) as the client releases it, or None to defer (the first non-None wins; the
-        caller then computes it itself). A privacy part returns a noised estimate and accounts for it; parts that
-        upload losses (``loss_uploads``) ask here first. Same on every rank: draw from ``(seed, round, client)``
-        streams."""
-        return None
+    def linked(self, service: str) -> tuple[FederatedCallback, ...]:
+        """``links[service]``: the parts linked to this one for ``service`` (none when no part is)."""
+        return self.links.get(service, ())
 
     def divergence_cause(self, fed: FederationView, step: int) -> str | None:
         """Server, every rank, when the run stops as diverged from the model of server step ``step`` (1-based): the
-        end of the one-line message, the cause and the keys to change with their values (``the DP noise dominates
-        ...; raise privacy.target_epsilon (now 0.5) ...``), or None when the part is not the cause (the first
+        end of the one-line message, the cause and the keys to change with their values (``the noise the part adds
+        dominates ...; raise <key> (now <value>) ...``), or None when the part is not the cause (the first
         non-None wins; else the optimizer's keys, :func:`flx.faults.optimizer_cause`). ``fed.update_norm(step)`` is
         that step's mean client update as reduced, before ``on_server_step``. Claim only what a measurement shows."""
         return None
-
-    def metric_names(self) -> tuple[str, ...]:
-        """The keys the part logs into Lightning's metrics (``trainer.callback_metrics``: what ``checkpoint.monitor``
-        may name), with their split: ``train/h``; ``{split}/x`` for a metric logged at every evaluation (``val``,
-        and ``test`` with ``eval_test``); a ``*`` pattern where the set depends on the run (``lambda/*``). Called at
-        build time, after :meth:`check_setup`. None by default: a part that logs nothing."""
-        return ()
 
     def on_attach(self, fed: FederationView) -> None:
         """Fit start, every rank: the federation holds the net and the data. Declare per-round statistics here
@@ -177,7 +138,7 @@ class FederatedCallback(Callback):
 
     def refuse_round(self, fed: FederationView, rnd: Round) -> str | None:
         """Server, every rank, before ``on_round_start``: the round's draws are known (``rnd.draws``, ``rnd.cohort``)
-        and nothing of it has run. Returns why the round must not run (one line, e.g. a privacy budget it would pass),
+        and nothing of it has run. Returns why the round must not run (one line, e.g. a budget it would pass),
         or None. The first answer stops the run before the round: :class:`RoundRefused`, exit status
         :data:`RoundRefused.status`."""
         return None
@@ -209,7 +170,7 @@ class FederatedCallback(Callback):
     def local_grad(self, fed: FederationView, client: ClientContext) -> Tensor | None:
         """Client, every local step: replaces the step's forward, ``local_loss`` and backward, or None to defer (the
         first non-None wins). ``client.batch`` holds the step's rows; set ``p.grad`` of every ``fed.params`` and
-        return the step's loss, a detached scalar (local DP-SGD's per-example clipping and noise)."""
+        return the step's loss, a detached scalar (per-row gradients, e.g.)."""
         return None
 
     def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
@@ -262,7 +223,7 @@ class RoundRefused(Exception):
 def first_answer(parts: Iterable[FederatedCallback], hook: str, *args: Any) -> Any:
     """The first non-None answer of ``parts`` (in part order) to ``hook(*args)``, or None if none answers; the later
     parts are not asked. The rule of the hooks one part answers for all (``sample_clients``, ``local_update``,
-    ``sample_batch``, ``local_grad``, ``cohort_grad``, ``release_loss``)."""
+    ``sample_batch``, ``local_grad``, ``cohort_grad``)."""
     for part in parts:
         answer = getattr(part, hook)(*args)
         if answer is not None:
@@ -275,49 +236,38 @@ def overrides(part: FederatedCallback, hook: str) -> bool:
     return getattr(type(part), hook) is not getattr(FederatedCallback, hook)
 
 
-def check_uploads(parts: Sequence[FederatedCallback]) -> None:
-    """With a privacy part (``guards``), raises a one-line :class:`ConfigError` for another part that breaks what its
-    guarantee rests on: makes clients send more than their model update (``uploads``); with ``"cohort"``, draws the
-    cohort (the guard's accountant assumes its own sampling) or changes the aggregate in ``on_server_step`` (the guard
-    reads it as the mean of the clipped updates, and noises it there); with ``"steps"``, replaces the local steps, or
-    hooks them without saying ``data_free_steps`` (its terms would reach the update unclipped)."""
-    guard = next((p for p in parts if p.guards), None)
-    if guard is None:
-        return
-    name = type(guard).__name__
-    covered = overrides(guard, "release_loss")  # losses through release_loss come out noised and accounted
-    for part in parts:
-        if part is guard:
-            continue
-        other = type(part).__name__
-        sent = [*part.uploads, *(() if covered else part.loss_uploads)]
-        if "uploads" in guard.guards and sent:
-            raise ConfigError(
-                f"{name}: {other} sends {sent[0]}, which the privacy guarantee does not cover "
-                "(only the clipped, noised model update is); run it without privacy"
-            )
-        if "cohort" in guard.guards and overrides(part, "sample_clients"):
-            raise ConfigError(
-                f"{name}: {other} draws the cohort, but the privacy accountant assumes the cohort "
-                "privacy.sampling draws; run it without privacy"
-            )
-        if "cohort" in guard.guards and overrides(part, "on_server_step"):
-            raise ConfigError(
-                f"{name}: {other} changes the aggregate on the server (on_server_step) before the noise "
-                "is added to it; run it without privacy"
-            )
-        if "steps" in guard.guards:
-            hooks = [h for h in STEP_HOOKS if overrides(part, h)]
-            if hooks and (not part.data_free_steps or set(hooks) & set(STEP_REPLACEMENTS)):
-                raise ConfigError(
-                    f"{name}: {other} hooks the local steps ({', '.join(hooks)}) with terms the per-example clipping "
-                    "does not cover; run it without privacy or with privacy=central"
-                )
+# the per-step client hooks of the sequential runner, their cohort forms (algo.vectorize), and every client hook
+STEP_HOOKS = ("sample_batch", "local_grad", "local_loss", "on_local_grad", "on_local_step_end")
+COHORT_FORM = {
+    "local_grad": "cohort_grad", "on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"
+}  # fmt: skip
+CLIENT_HOOKS = ("on_client_start", "local_update", *STEP_HOOKS, *COHORT_FORM.values(), "on_client_end")
 
 
-# the client hooks that shape a local step, and those of them that replace the clipped gradient (check_uploads)
-STEP_HOOKS = (
-    "local_update", "sample_batch", "local_grad", "local_loss", "on_local_grad", "on_local_step_end", "cohort_grad",
-    "on_cohort_grad", "on_cohort_step_end",
-)  # fmt: skip
-STEP_REPLACEMENTS = ("local_update", "sample_batch", "local_grad", "local_loss", "cohort_grad")
+@dataclass(frozen=True)
+class Build:
+    """What a part's :meth:`FederatedCallback.check` sees: the run as built, nothing trained or written yet.
+
+    Attributes:
+        cfg: the round protocol's settings.
+        net: the run's model.
+        parts: every part, in ``algo.parts`` order (then the ``privacy=`` group's).
+        clients: the client store: ``num_train_clients``, ``client_indices``, ``client_support``.
+        system: the device / latency simulator, or None.
+        resources: the server's own rows and frozen models (:class:`flx.resources.ServerResources`), or None.
+        datamodule: the run's set-up :class:`~flx.datamodules.datamodule.FederatedDataModule` (splits, labels,
+            server rows), or None for a federation built directly from a client store (tests, scripts).
+    """
+
+    cfg: FederationConfig
+    net: nn.Module
+    parts: tuple[FederatedCallback, ...]
+    clients: ClientData
+    system: LatencySimulator | None = None
+    resources: ServerResources | None = None
+    datamodule: Any = None
+
+    def sizes(self) -> dict[int, int]:
+        """The rows of each client that trains."""
+        c = self.clients
+        return {i: len(c.client_indices[i]) for i in range(c.num_train_clients)}

@@ -39,7 +39,7 @@ def metric_names(task: Task, parts: list[Any], datamodule: Any, simulated: bool)
     ``checkpoint.monitor`` may name), known at build time: ``train/loss``, ``fl/round``, ``sim/round_time`` and
     ``sim/clock`` (``simulated``: a ``system``), each evaluated split's task metrics (:meth:`Task.metric_names`) and
     personalised summaries (``{split}/personal_<key>_{mean,worst,p10}`` with a part that personalises), and the parts'
-    own (:meth:`FederatedCallback.metric_names`; ``{split}`` expanded, ``*`` patterns kept).
+    own (``traits.metrics``; ``{split}`` expanded, ``*`` patterns kept).
 
     Args:
         task: the run's task.
@@ -56,7 +56,7 @@ def metric_names(task: Task, parts: list[Any], datamodule: Any, simulated: bool)
         names += [f"{split}/{n}" for n in task.metric_names(datamodule.data.num_classes, rows)]
         names += [f"{split}/personal_{task.client_key}_{k}" for k in SPREAD] if personal and rows else []
     for part in fed_parts:
-        for name in part.metric_names():
+        for name in part.traits.metrics:
             names += [name.format(split=s) for s in splits] if "{split}" in name else [name]
     return tuple(dict.fromkeys(names))
 
@@ -98,6 +98,7 @@ class FederatedModule(pl.LightningModule):
         self.net, self.spec, self.fingerprint = net, federation, dict(fingerprint or {})
         self.federation: Federation | None = None  # built, whole, when a fit (or a lone validate / test) starts
         self._restored: dict[str, Any] | None = None  # a checkpoint's federation state, loaded into it when built
+        self._part_states: dict[str, Any] = {}  # a checkpoint's part states, loaded once the parts are attached
         self.task = task if task is not None else Classification()
         self.automatic_optimization = False
         sizes = num_clients if isinstance(num_clients, Mapping) else dict.fromkeys(("val", "test"), num_clients)
@@ -170,6 +171,10 @@ class FederatedModule(pl.LightningModule):
         if self._restored is not None:
             self.federation.load_state_dict(self._restored)
             self._restored = None
+        for part in parts:  # attached first (on_attach made its fresh state), then restored: the state replaces it
+            state = self._part_states.pop(part.state_key, None)
+            if state:
+                part.load_state_dict(state)
 
     def on_train_start(self) -> None:
         # Lightning callbacks that want a tick per trained client (the progress bar's client bar): the round is one
@@ -359,6 +364,17 @@ class FederatedModule(pl.LightningModule):
         checkpoint["flx"] = {**self.federation.state_dict(), "fingerprint": self.fingerprint}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keeps the federation's state and the parts' for when the federation is built: Lightning restores the
+        module (here) before the callbacks, and both before ``on_fit_start``; a part's state taken out of
+        ``checkpoint["callbacks"]`` here is loaded after its ``on_attach`` (docs/round_protocol.md, the hook table)."""
+        states = checkpoint.get("callbacks") or {}
+        for part in (cb for cb in self.trainer.callbacks if isinstance(cb, FederatedCallback)):
+            if part.state_key in states:
+                state = states.pop(part.state_key)
+                if self.federation is None:
+                    self._part_states[part.state_key] = state
+                elif state:
+                    part.load_state_dict(state)
         if "flx" not in checkpoint:
             return
         if self.federation is None:  # Lightning restores the module before on_fit_start builds the federation

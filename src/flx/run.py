@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, OmegaConf
 
-from flx import loop, signals, vectorized
+from flx import composition, loop, signals, vectorized
 from flx.checkpoint_io import LAST, AtomicCheckpointIO
 from flx.checks import check_monitor, validate
 from flx.console import final_line, headline
@@ -30,7 +30,7 @@ from flx.datamodules.protocol import data_protocol
 from flx.determinism import cuda_determinism
 from flx.errors import ConfigError, bad_value, instantiate, one_line
 from flx.federation import FederationConfig, FederationSpec
-from flx.hooks import FederatedCallback, check_uploads, overrides
+from flx.hooks import Build, FederatedCallback
 from flx.launch import (
     DDP_STRATEGIES,
     fork_ranks,
@@ -206,22 +206,15 @@ def build(cfg: DictConfig) -> tuple[FederatedDataModule, FederatedModule, pl.Tra
 def check_parts(
     cfg: DictConfig, dm: FederatedDataModule, fed: FederationSpec, net: torch.nn.Module, task: Task, parts: list[Any]
 ) -> None:
-    """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): every
-    part's ``check_setup`` and ``check_federation``, the local steps, ``algo.vectorize``, and ``checkpoint.monitor``
-    against the keys the task and parts log (:func:`flx.checks.check_monitor`), and a privacy part's composition
-    (:func:`flx.hooks.check_uploads`)."""
-    fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
-    check_uploads(fed_parts)  # first: a channel the privacy guarantee does not cover is the reason to name
-    for part in fed_parts:
-        part.check_setup(dm, fed.cfg)
-    for part in fed_parts:
-        part.check_federation(dm, fed, net)
-    for part in fed_parts:
-        part.check_parts(fed_parts)
-    if fed.cfg.local_steps == 0 and not any(overrides(p, "local_update") for p in fed_parts):
-        raise bad_value("algo.local_steps", 0, "must be >= 1 (0 only with a part that replaces the local steps)")
+    """The checks that need the built run but nothing written yet (``save_config`` and the Trainer come after): the
+    parts' composition and their own checks (:func:`flx.composition.check`, once: the federation built at the fit's
+    start does not repeat it), the net under ``algo.vectorize``, and ``checkpoint.monitor`` against the keys the task
+    and parts log (:func:`flx.checks.check_monitor`)."""
+    fed_parts = tuple(p for p in parts if isinstance(p, FederatedCallback))
+    composition.check(Build(fed.cfg, net, fed_parts, dm.clients, fed.system, dm.server_resources, datamodule=dm))
+    fed.checked = fed_parts
     if fed.cfg.vectorize:
-        vectorized.check(net, fed_parts)
+        vectorized.check(net)
     if cfg.get("checkpoint") is not None and cfg.trainer.get("enable_checkpointing", True):
         check_monitor(cfg.checkpoint.get("monitor"), metric_names(task, parts, dm, fed.system is not None))
 

@@ -20,7 +20,7 @@ trained, each client's model is loaded into the net in shard order for ``on_clie
 aggregate, exactly as on the sequential path.
 
 What it needs: a net without BatchNorm or dropout (their training-mode state and randomness are per call, not per
-client), and parts that either leave the client path alone or say ``vectorizable = True``. Such a part's
+client), and parts that either leave the client path alone or declare ``traits.vectorizable``. Such a part's
 ``on_client_start`` / ``on_client_end`` run per client as usual (the net holds the global model at the first, the
 client's model at the second); its ``sample_batch`` and ``local_loss`` run per client inside each stacked step, with
 ``client.step``, ``client.rows``, ``client.batch`` and ``client.outputs`` set as on the sequential path and
@@ -38,18 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from flx import composition
 from flx.clients import ClientRunner
 from flx.context import ClientContext, Cohort, Core
 from flx.errors import ConfigError
-from flx.hooks import FederatedCallback, first_answer, overrides
+from flx.hooks import FederatedCallback, first_answer
 from flx.local_sgd import sgd_update
 
-# per-step client hooks and the cohort hooks that stand for them; the whole-run replacements have none
-COHORT_FORM = {
-    "local_grad": "cohort_grad", "on_local_grad": "on_cohort_grad", "on_local_step_end": "on_cohort_step_end"
-}  # fmt: skip
-NOT_VECTORIZABLE = ("local_update",)
-CLIENT_HOOKS = ("on_client_start", "on_client_end", "sample_batch", "local_loss", *COHORT_FORM, *NOT_VECTORIZABLE)
 _RANDOM_OR_STATEFUL = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 # layers that map each row on its own: a net of these (and nn.Linear) runs with the cohort folded into the batch
 ROWWISE = (
@@ -58,24 +53,16 @@ ROWWISE = (
 )  # fmt: skip
 
 
-def check(net: nn.Module, parts: Sequence[FederatedCallback]) -> None:
-    """Raises a one-line :class:`ConfigError` when ``algo.vectorize=true`` cannot train this net with these parts."""
+def check(net: nn.Module, parts: Sequence[FederatedCallback] = ()) -> None:
+    """Raises a one-line :class:`ConfigError` when ``algo.vectorize=true`` cannot train this net (a layer with
+    per-call state or randomness) or these parts (:func:`flx.composition.check_vectorizable`)."""
     layer = next((m for m in net.modules() if isinstance(m, _RANDOM_OR_STATEFUL) and _active(m)), None)
     if layer is not None:
         raise ConfigError(
             f"algo.vectorize=true: the net has {type(layer).__name__} layers (per-call training state or randomness);"
             " allowed: nets without BatchNorm and dropout, or algo.vectorize=false"
         )
-    for part in parts:
-        hooked = [h for h in CLIENT_HOOKS if overrides(part, h)]
-        fixed = [h for h in hooked if h in NOT_VECTORIZABLE]
-        missing = [h for h in hooked if h in COHORT_FORM and not overrides(part, COHORT_FORM[h])]
-        if fixed or missing or (hooked and not getattr(part, "vectorizable", False)):
-            why = ", ".join(fixed or missing or hooked)
-            raise ConfigError(
-                f"algo.vectorize=true: part {type(part).__name__} has no vectorised form of its client hooks ({why});"
-                " use algo.vectorize=false"
-            )
+    composition.check_vectorizable(parts)
 
 
 def _active(module: nn.Module) -> bool:

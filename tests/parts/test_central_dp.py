@@ -11,16 +11,20 @@ from helpers import linear, make_fed, run_rounds, toy_data
 from torch import Tensor
 
 from flx import privacy
+from flx.composition import check_pairs
 from flx.errors import ConfigError
-from flx.hooks import FederatedCallback, check_uploads
+from flx.hooks import FederatedCallback
 from flx.parts.central_dp import _NOISE_TAG, CentralDP
 from flx.parts.lambda_sampling import LambdaSampling
 from flx.parts.prox import Prox
 from flx.sampling import derive_seed
+from flx.traits import PartTraits
 
 
 class Uploads(FederatedCallback):
     """Records each client's model before the DP part clips it (it runs first)."""
+
+    traits = PartTraits(uploads={})
 
     def __init__(self) -> None:
         self.models: dict[int, list[Tensor]] = {}
@@ -144,16 +148,16 @@ def test_adaptive_clip_follows_the_noised_count() -> None:
 
 
 def test_composition_refuses_channels_it_does_not_cover() -> None:
-    check_uploads([Prox(mu=0.1), CentralDP(noise_multiplier=1.0)])  # FedProx uploads only its model
+    check_pairs([Prox(mu=0.1), CentralDP(noise_multiplier=1.0)])  # FedProx uploads only its model
     with pytest.raises(ConfigError, match="LambdaSampling sends its losses at the snapshot model"):
-        check_uploads([LambdaSampling(), CentralDP(noise_multiplier=1.0)])
-    check_uploads([LambdaSampling()])  # without privacy, nothing to check
+        check_pairs([LambdaSampling(), CentralDP(noise_multiplier=1.0)])
+    check_pairs([LambdaSampling()])  # without privacy, nothing to check
 
     class ServerSide(FederatedCallback):
         def on_server_step(self, fed, rnd, mean) -> None: ...
 
     with pytest.raises(ConfigError, match="ServerSide changes the aggregate on the server"):
-        check_uploads([ServerSide(), CentralDP(noise_multiplier=1.0)])
+        check_pairs([ServerSide(), CentralDP(noise_multiplier=1.0)])
 
 
 @pytest.mark.parametrize(

@@ -11,20 +11,22 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import linear, make_fed, run_rounds, toy_data
+from helpers import build_of, linear, make_fed, run_rounds, toy_data
 from torch import nn
 
 from flx import privacy
 from flx.autodiff import row_grads
+from flx.composition import check_pairs
 from flx.context import Round
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
-from flx.hooks import FederatedCallback, check_uploads
+from flx.hooks import FederatedCallback
 from flx.parts.fbe import FBE
 from flx.parts.lambda_sampling import LambdaSampling
 from flx.parts.local_dp import _LOSS_TAG, _NOISE_TAG, LocalDP
 from flx.parts.prox import Prox
 from flx.sampling import derive_seed, fresh_rows
+from flx.traits import PartTraits
 
 
 def _dp(**kw) -> LocalDP:
@@ -119,8 +121,7 @@ def test_noise_has_the_configured_mean_and_variance(vectorize: bool) -> None:
 class Rows(FederatedCallback):
     """Records each step's batch size (its step hook reads no rows' values: allowed with LocalDP)."""
 
-    data_free_steps = True
-    vectorizable = True
+    traits = PartTraits(uploads={}, steps="data_free", vectorizable=True)
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
@@ -262,27 +263,27 @@ def test_composition_refuses_what_the_clipping_does_not_cover() -> None:
     """Step hooks that read the rows (pFedFBE's direction), uploads it cannot noise (DRFA-GA's full losses), a local
     loss term or a minibatch of another part are refused; FedProx's term (data free) is allowed; so are cohort
     samplers (no amplification by the cohort is claimed) and DRFA's losses (released through ``release_loss``)."""
-    check_uploads([Prox(mu=0.1), _dp()])
-    check_uploads([LambdaSampling(), _dp()])
+    check_pairs([Prox(mu=0.1), _dp()])
+    check_pairs([LambdaSampling(), _dp()])
     with pytest.raises(ConfigError, match="FBE hooks the local steps \\(on_local_grad\\)"):
-        check_uploads([FBE(), _dp()])
+        check_pairs([FBE(), _dp()])
     with pytest.raises(ConfigError, match="LambdaSampling sends its full local loss"):
-        check_uploads([LambdaSampling(mode="ga"), _dp()])
+        check_pairs([LambdaSampling(mode="ga"), _dp()])
 
     class Term(FederatedCallback):
-        data_free_steps = True
+        traits = PartTraits(steps="data_free")
 
         def local_loss(self, fed, client, loss):
             return loss
 
     with pytest.raises(ConfigError, match="Term hooks the local steps \\(local_loss\\)"):
-        check_uploads([Term(), _dp()])
+        check_pairs([Term(), _dp()])
 
     class Sampler(FederatedCallback):
         def sample_clients(self, fed, round_idx, rng):
             return [0]
 
-    check_uploads([Sampler(), _dp()])
+    check_pairs([Sampler(), _dp()])
 
 
 def test_a_released_loss_by_hand() -> None:
@@ -325,7 +326,7 @@ def test_drfa_rounds_book_steps_and_releases() -> None:
 def test_a_batchnorm_net_is_refused() -> None:
     net = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
     with pytest.raises(ConfigError, match="privacy=local: the net has BatchNorm1d layers"):
-        _dp().check_federation(None, None, net)
+        _dp().check(build_of([], net=net))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import linear, make_fed, raises_one_line, run_rounds
+from helpers import build_of, linear, make_fed, raises_one_line, run_rounds
 from least_squares import f64, flat, grad, l1, loss, mse, prox, regression, xt
 
 from flx.context import FederationConfig
@@ -108,7 +108,7 @@ def test_the_former_solve_names_its_new_name() -> None:
 
 def test_momentum_is_refused_before_the_run() -> None:
     with pytest.raises(ConfigError, match="algo.momentum"):
-        PFedMe().check_setup(None, FederationConfig(momentum=0.9))
+        PFedMe().check(build_of([], FederationConfig(momentum=0.9)))
 
 
 # ---------------------------------------------------------------------- personal=optimum

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import linear, make_fed, raises_one_line, run_rounds, toy_data
+from helpers import build_of, linear, make_fed, raises_one_line, run_rounds, toy_data
 from torch import Tensor
 
+from flx import composition
 from flx.context import FederationConfig
 from flx.parts.prox_step import DualAveraging, ProxStep
 from flx.server import ServerOptConfig
@@ -201,10 +202,10 @@ def test_feddualavg_resumed_equals_uninterrupted() -> None:
     first = make_fed(linear(), data, parts=[DualAveraging(reg)], **kw)
     run_rounds(first, 2)
     part = DualAveraging(reg)
-    part.load_state_dict(first.parts[0].state_dict())
     net = linear()
     net.load_state_dict(first.net.state_dict())
     resumed = make_fed(net, data, parts=[part], **kw)
+    part.load_state_dict(first.parts[0].state_dict())  # after on_attach, as a resumed run does
     run_rounds(resumed, 2, start=2)
     for a, b in zip(full.net.parameters(), resumed.net.parameters()):
         assert torch.equal(a, b)
@@ -220,7 +221,7 @@ def test_feddualavg_resumed_equals_uninterrupted() -> None:
     ],
 )
 def test_feddualavg_rejects_what_it_cannot_use(cfg: dict, match: str) -> None:
-    raises_one_line(DualAveraging(L1).check_setup, None, FederationConfig(**cfg), match=match)
+    raises_one_line(composition.check, build_of([DualAveraging(L1)], FederationConfig(**cfg)), match=match)
 
 
 def test_bad_options_name_the_key() -> None:

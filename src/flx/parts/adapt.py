@@ -18,6 +18,7 @@ batch statistics, its running statistics untouched); the evaluation then runs in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields, count
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -48,7 +50,7 @@ class Adapt(FederatedCallback):
     """``personalize``: ``steps`` full-batch gradient steps of size ``lr`` on the client's support rows; each count of
     ``also_steps`` is evaluated too and logged as ``{split}/adapted<k>_<metric>_{mean,worst,p10}``."""
 
-    headline = PERSONAL_HEADLINE
+    traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE)
 
     def __init__(self, **params: Any) -> None:
         self.params = p = AdaptParams(**params)
@@ -64,10 +66,7 @@ class Adapt(FederatedCallback):
             count("algo.adapt_also_steps", k, 0)
         object.__setattr__(p, "also_steps", tuple(p.also_steps))
         self._steps = p.steps
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
-        return tuple(f"{{split}}/adapted{k}_*" for k in self.params.also_steps)
+        self.traits = dataclasses.replace(self.traits, metrics=tuple(f"{{split}}/adapted{k}_*" for k in p.also_steps))
 
     @override
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:

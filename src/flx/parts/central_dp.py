@@ -51,9 +51,11 @@ from flx.clipping import clip_factors
 from flx.errors import ConfigError, bad_value
 from flx.parts.dp_budget import Budgeted, BudgetParams
 from flx.sampling import derive_seed
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView, Round
+    from flx.context import ClientContext, FederationView, Round
+    from flx.hooks import Build
 
 _NOISE_TAG = 0x4450  # "DP": the round's noise stream, derive_seed(seed, round, tag)
 _COUNT, _BELOW = "privacy/count", "privacy/below"  # clients aggregated; clients within the clip (adaptive)
@@ -73,8 +75,16 @@ class PrivacyParams(BudgetParams):
 class CentralDP(Budgeted):
     """Clips every client's update, noises the cohort's sum once on the server, accounts for every round."""
 
-    guards = ("uploads", "cohort")
-    vectorizable = True  # on_client_end runs with each client's model in the net on both runners
+    traits = PartTraits(
+        uploads={  # released through this part's own noised count
+            _COUNT: Channel("its share of the cohort count", "own"),
+            _BELOW: Channel("whether its update was within the clip (adaptive clipping)", "own"),
+        },
+        vectorizable=True,  # on_client_end runs with each client's model in the net on both runners
+        aggregator=("mean", "privacy=central noises the weighted mean: use mean"),
+        protects=("uploads", "cohort"),
+        metrics=("privacy/epsilon", "privacy/clip"),
+    )
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PrivacyParams(**params)
@@ -92,11 +102,9 @@ class CentralDP(Budgeted):
 
     # ------------------------------------------------------------------ setup
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+    def check(self, build: Build) -> None:
         # the population the cohort is drawn from: the clients that train (evaluation-only clients never do)
-        p, n = self.params, datamodule.clients.num_train_clients
-        if cfg.aggregator != "mean":
-            raise bad_value("algo.aggregator", cfg.aggregator, "privacy=central noises the weighted mean: use mean")
+        p, n, cfg = self.params, build.clients.num_train_clients, build.cfg
         if not cfg.clients_per_round <= n:
             raise bad_value("algo.clients_per_round", cfg.clients_per_round, f"at most the {n} clients")
         if p.delta >= 1 / n:
@@ -127,13 +135,7 @@ class CentralDP(Budgeted):
         return float(p.count_noise) if p.count_noise is not None else max(self.mechanism.cohort / 20, self.sigma)
 
     @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("privacy/epsilon", "privacy/clip")
-
-    @override
     def on_attach(self, fed: FederationView) -> None:
-        if self.mechanism is None:  # a federation built without the run's checks (tests): its own sizes
-            self._setup(fed.num_clients, fed.cfg.clients_per_round, fed.cfg.rounds)
         mech = self.mechanism
         if (mech.num_clients, mech.cohort) != (fed.num_clients, fed.cfg.clients_per_round):  # the ledger's q is real
             raise RuntimeError(

@@ -31,6 +31,7 @@ from typing_extensions import override
 from flx.errors import check_fields
 from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import FederationView
@@ -62,14 +63,14 @@ def client_train_losses(fed: FederationView) -> Tensor:
 class ClientLoss(FederatedCallback):
     """Logs ``max_i f_i`` and ``mean_i f_i`` of the global model after each validated round."""
 
+    traits = PartTraits(uploads={})  # measured on the server for the researcher (its metrics: set in __init__)
+
     def __init__(self, enabled: bool = True) -> None:
         self.params = ClientLossParams(enabled)
         check_fields(self.params, "algo.", {"enabled": "algo.client_loss"})
         self.last: Tensor | None = None  # the latest (N,) vector, for inspection
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("train/client_loss_max", "train/client_loss_mean") if self.params.enabled else ()
+        metrics = ("train/client_loss_max", "train/client_loss_mean") if self.params.enabled else ()
+        self.traits = PartTraits(uploads={}, metrics=metrics)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

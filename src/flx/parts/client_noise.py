@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value, number_error
 from flx.hooks import FederatedCallback
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView
@@ -36,6 +37,9 @@ class ClientNoise(FederatedCallback):
         delta: mean increment per client id (paper: 0.01).
         sigma: standard deviation (paper: variance 0.04, i.e. 0.2).
     """
+
+    # the inputs change on the client, nothing is sent; a part that scores client inputs applies the same noise
+    traits = PartTraits(uploads={}, provides=("client_noise",))
 
     def __init__(self, mu0: float = -0.08, delta: float = 0.01, sigma: float = 0.2) -> None:
         for key, value in (("mu0", mu0), ("delta", delta), ("sigma", sigma)):

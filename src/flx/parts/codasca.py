@@ -49,9 +49,11 @@ from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.losses import aucm, xrisk
 from flx.models import heads
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView, Round
+    from flx.context import ClientContext, FederationView, Round
+    from flx.hooks import Build
 
 A, B, ALPHA = 0, 1, 2  # offsets of a, b, alpha after the flattened w in the (n + 3) vectors
 _SUMS = "codasca/sums"  # the registered statistic: (a, b, alpha) weighted sums, weight sum, sum of c_i^new - c_i
@@ -75,7 +77,7 @@ class CodascaParams:
 class Codasca(FederatedCallback):
     """The AUC-M local objective, its primal-dual local steps with control variates, and the stage schedule."""
 
-    uploads = ("its control variates and AUC statistics (CODASCA)",)
+    traits = PartTraits(uploads={_SUMS: Channel("its control variates and AUC statistics (CODASCA)")})
 
     def __init__(self, **params: Any) -> None:
         self.params = p = CodascaParams(**params)
@@ -104,8 +106,9 @@ class Codasca(FederatedCallback):
         self._ref_w: list[Tensor] = []  # the stage reference's w, per parameter tensor (views into state["ref"])
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        xrisk.check_binary_labels(datamodule.data.y_train, "algo=codasca")
+    def check(self, build: Build) -> None:
+        cfg = build.cfg
+        xrisk.check_binary_labels(build.clients.y, "algo=codasca")  # the training split's labels
         if cfg.local_epochs is not None:
             raise bad_value("algo.local_epochs", cfg.local_epochs, "CODASCA counts stages in steps: use null")
 

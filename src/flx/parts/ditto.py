@@ -32,6 +32,7 @@ from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.parts.fbe import as_regularizer
 from flx.parts.personal_model import from_state, install, keep, stored
 from flx.regularizers import Regularizer
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView
@@ -52,7 +53,7 @@ class Ditto(FederatedCallback):
     """Ditto's personal models: one proximal step on :math:`v_i` per local step (``on_local_step_end``), kept in the
     state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.parts.fbe.FBE`."""
 
-    headline = PERSONAL_HEADLINE
+    traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE)  # v_i stays on the client
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = DittoParams(**params)

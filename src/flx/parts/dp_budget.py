@@ -14,6 +14,7 @@ from flx import privacy
 from flx.clipping import CLIP_MODES
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import FederationView, Round
@@ -50,6 +51,7 @@ class Budgeted(FederatedCallback):
     alike) whose :meth:`after` epsilon would pass the budget. Subclasses keep ``params`` (a :class:`BudgetParams`) and
     ``rounds`` (the rounds accounted) and give :meth:`spent` and :meth:`after`."""
 
+    traits = PartTraits(uploads={}, metrics=("privacy/epsilon",))  # what the two modes declare in common
     params: BudgetParams
     rounds: int
     rounds_run: int = 0  # the rounds the run has run (rnd.round + 1 after each): all private when equal to rounds
@@ -64,12 +66,8 @@ class Budgeted(FederatedCallback):
         raise NotImplementedError
 
     def logged(self) -> dict[str, float]:
-        """What the part logs every round (the keys :meth:`metric_names` gives)."""
+        """What the part logs every round (the keys ``traits.metrics`` gives)."""
         return {"privacy/epsilon": self.spent()}
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("privacy/epsilon",)
 
     @override
     def refuse_round(self, fed: FederationView, rnd: Round) -> str | None:

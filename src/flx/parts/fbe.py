@@ -51,6 +51,7 @@ from flx.errors import bad_value, check_fields
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
 from flx.regularizers import Regularizer, make_regularizer
 from flx.sampling import derive_seed, fresh_rows
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView
@@ -166,7 +167,7 @@ class FBE(FederatedCallback):
     :class:`~flx.regularizers.Regularizer` or its config ``{name, mu, params, ...}`` (None: :math:`h = 0`). At every
     validation and at the test it logs ``train/fbe_objective``, :math:`F(w)` of Eq. 7 (:func:`fbe_objective`)."""
 
-    headline = PERSONAL_HEADLINE
+    traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE, metrics=("train/fbe_objective",))  # theta_i stays
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = FBEParams(**params)
@@ -187,10 +188,6 @@ class FBE(FederatedCallback):
     @override
     def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("train/fbe_objective",)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

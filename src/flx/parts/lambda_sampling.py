@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -51,12 +51,15 @@ from flx import simplex
 from flx.autodiff import loss_at
 from flx.errors import bad_value, check_fields
 from flx.evaluation import client_losses
-from flx.hooks import FederatedCallback, first_answer
+from flx.hooks import FederatedCallback
 from flx.parts import lambda_report
 from flx.sampling import derive_seed
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, Cohort, FederationConfig, FederationView, Round
+    from flx.context import ClientContext, Cohort, FederationView, Round
+    from flx.hooks import Build
+    from flx.traits import ReleasesLoss
 
 _SNAPSHOT_TAG, _EVAL_SET_TAG, _EVAL_BATCH_TAG = 0x51, 0x52, 0x53
 # registered statistics: the snapshot sum (shaped like fed.local_state) then its weight; DRFA-GA's (N,) full losses
@@ -81,10 +84,17 @@ class LambdaParams:
 class LambdaSampling(FederatedCallback):
     """The server's mixing weights ``lambda``: cohort sampling, snapshot model, projected (or prox) dual ascent."""
 
-    loss_uploads = ("its losses at the snapshot model (DRFA's lambda step)",)  # DRFA; DRFA-GA's are uploads
-    headline = ("client_acc_worst", "client_mse_worst")  # the worst client: what DRFA optimises
-    vectorizable = True  # algo.vectorize: the snapshot w^(t') is taken from the stacked clients (on_cohort_step_end)
-    data_free_steps = True  # the snapshot is a copy of the local model (under local DP-SGD, already private)
+    traits = PartTraits(
+        uploads={  # DRFA; DRFA-GA's (set in __init__) is its full loss
+            "lambda/losses": Channel("its losses at the snapshot model (DRFA's lambda step)", "loss"),
+            _SNAPSHOT: Channel("its model at the snapshot step t' (DRFA's averaged snapshot)", "iterate"),
+        },
+        steps="data_free",  # the snapshot is a copy of the local model (under local DP-SGD, already private)
+        vectorizable=True,  # algo.vectorize: the snapshot w^(t') is taken from the stacked clients (on_cohort_step_end)
+        uses=("loss_release",),  # a part that releases the clients' losses (local DP) computes them
+        headline=("client_acc_worst", "client_mse_worst"),  # the worst client: what DRFA optimises
+        metrics=("lambda/*",),
+    )
 
     def __init__(self, **params: Any) -> None:
         self.params = p = LambdaParams(**params)
@@ -112,11 +122,12 @@ class LambdaSampling(FederatedCallback):
         self._snap_step = 0  # the round's j = t' - s tau (DRFA)
         self._names: list[str] = []  # fed.local_state's names in the net, to evaluate the snapshot functionally
         if p.mode == "ga":  # every client's full loss at the round start, computed on the server's side
-            self.uploads, self.loss_uploads = ("its full local loss (DRFA-GA's lambda step)",), ()
+            uploads = {_FULL_LOSSES: Channel("its full local loss (DRFA-GA's lambda step)")}
+            self.traits = dataclasses.replace(self.traits, uploads=uploads)
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        n = datamodule.num_clients
+    def check(self, build: Build) -> None:
+        cfg, n = build.cfg, build.clients.num_train_clients
         if self.params.lambda_floor * n >= 1:
             raise bad_value("algo.lambda_floor", self.params.lambda_floor, f"below 1/N = {1 / n:g}")
         if self.params.mode == "drfa" and cfg.local_epochs is not None:
@@ -124,8 +135,7 @@ class LambdaSampling(FederatedCallback):
 
     @override
     def on_attach(self, fed: FederationView) -> None:
-        if self.lam is None:  # a resumed run loaded lambda with the checkpoint
-            self._init_lambda(fed)
+        self._init_lambda(fed)  # a resumed run's checkpoint replaces it (load_state_dict, after on_attach)
         # statistics in the model's dtype (an fp32 model keeps an fp32 round buffer): the snapshot mean is a model,
         # computed as the primal mean is; DRFA-GA's losses come from an fp32 forward pass anyway
         dtype = fed.params[0].dtype
@@ -230,12 +240,12 @@ class LambdaSampling(FederatedCallback):
         out = torch.zeros(fed.num_clients, dtype=torch.float64)
         was_training = fed.net.training
         fed.net.eval()
-        releasers = fed.parts_with("release_loss")  # a privacy part: the clients release noised losses
+        # a part that provides the release (local DP): the clients release noised losses
+        releaser = next((cast("ReleasesLoss", q) for q in self.linked("loss_release")), None)
         try:
             for cid in eval_set:
-                released = first_answer(releasers, "release_loss", fed, cid, values, round_idx)
-                if released is not None:
-                    out[cid] = released
+                if releaser is not None:
+                    out[cid] = releaser.release_loss(fed, cid, values, round_idx)
                     continue
                 rows = fed.data.client_indices[cid]
                 if batch < len(rows):
@@ -277,10 +287,6 @@ class LambdaSampling(FederatedCallback):
             total += weight
 
     # ------------------------------------------------------------------ logging and checkpoint
-    @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("lambda/*",)
-
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.lam is not None and trainer.loggers:

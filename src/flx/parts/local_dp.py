@@ -15,7 +15,7 @@ multiplier :math:`\sigma`; at every local step :math:`k`:
    whole still within :math:`C`, so the noise and the ledger are the same);
 3. :math:`\tilde g = \big(\sum_j g_j \min(1, C / \lVert g_j \rVert) + \mathcal N(0, \sigma^2 C^2 I)\big) / (q_i n_i)`,
    the fixed denominator (the expected batch size, :math:`\min(B, n_i)`), is the step's gradient. Parts whose step
-   hooks read only the models (FedProx's proximal term, a prox operator: ``data_free_steps``) then act on it as
+   hooks read only the models (FedProx's proximal term, a prox operator: ``steps="data_free"``) then act on it as
    usual, and the configured SGD steps. The noise is drawn from a generator seeded by ``(seed, round, client,
    copy)`` on the net's device, so the stacked clients (``algo.vectorize``) draw what the sequential ones do, 2
    processes give the run of 1 and a resumed run the uninterrupted one; a real deployment would use a secure source.
@@ -33,7 +33,6 @@ way, with ``target_epsilon`` every round is checked before it runs, with its rea
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,13 +44,14 @@ from flx import privacy
 from flx.autodiff import row_grads
 from flx.clipping import LinearRows, NotRowwise, clipped_sum
 from flx.errors import ConfigError, bad_value
-from flx.hooks import FederatedCallback
 from flx.parts.dp_budget import Budgeted, BudgetParams
 from flx.sampling import derive_seed, fresh_rows
+from flx.traits import PartTraits
 from flx.vectorized import foldable
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, Cohort, FederationConfig, FederationSpec, FederationView, Round
+    from flx.context import ClientContext, Cohort, FederationConfig, FederationView, Round
+    from flx.hooks import Build
 
 _NOISE_TAG = 0x4453  # "DS": a client's noise stream, derive_seed(seed, round, client, copy, tag)
 _NOISE = "local_dp/noise"  # client.extras: the client's noise generator
@@ -70,8 +70,13 @@ class LocalParams(BudgetParams):
 class LocalDP(Budgeted):
     """DP-SGD local steps (per-row clipping, Gaussian noise, the fixed denominator) and the clients' ledger."""
 
-    guards = ("uploads", "steps")
-    vectorizable = True  # cohort_grad: the stacked clients' rows at once
+    traits = PartTraits(
+        uploads={},
+        vectorizable=True,  # cohort_grad: the stacked clients' rows at once
+        provides=("loss_release",),  # release_loss: a client's loss released as a step releases a gradient
+        protects=("uploads", "steps"),
+        metrics=("privacy/epsilon",),
+    )
 
     def __init__(self, **params: Any) -> None:
         self.params = p = LocalParams(**params)
@@ -97,27 +102,20 @@ class LocalDP(Budgeted):
 
     # ------------------------------------------------------------------ setup
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        clients = datamodule.clients
-        sizes = {i: len(clients.client_indices[i]) for i in range(clients.num_train_clients)}
+    def check(self, build: Build) -> None:
+        sizes = build.sizes()
         largest = max(sizes.values(), default=0)
         if largest and self.params.delta >= 1 / largest:
             allowed = f"below 1 / (the largest client's rows) = {1 / largest:g}"
             raise bad_value("privacy.delta", self.params.delta, allowed)
-        self._setup(sizes, cfg)
-
-    @override
-    def check_federation(self, datamodule: Any, fed: FederationSpec, net: nn.Module) -> None:
-        layer = next((m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+        self._setup(sizes, build.cfg)
+        layer = next((m for m in build.net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
         if layer is not None:
             raise ConfigError(
                 f"privacy=local: the net has {type(layer).__name__} layers, which mix the rows of a batch (a row has "
                 "no gradient of its own); use a net without BatchNorm, or privacy=central"
             )
-
-    @override
-    def check_parts(self, parts: Sequence[FederatedCallback]) -> None:
-        self._calibrate(parts)
+        self._calibrate()
 
     def _setup(self, sizes: dict[int, int], cfg: FederationConfig) -> None:
         """The clients' sizes and step counts."""
@@ -126,14 +124,15 @@ class LocalDP(Budgeted):
         self.plan = {i: cfg.local_steps if epochs is None else epochs * -(-n // b) for i, n in self.sizes.items()}
         self.rounds_planned = cfg.rounds
 
-    def _calibrate(self, parts: Sequence[FederatedCallback]) -> None:
-        """The loss releases a client may make in a round (one if a part uploads losses through ``release_loss``);
+    def _calibrate(self) -> None:
+        """The loss releases a client may make in a round (one if a linked part sends losses, ``loss_release``);
         the noise multiplier calibrated to ``target_epsilon`` when none is set: the smallest :math:`\\sigma` with
         which every client stays within it after ``algo.rounds`` rounds of :meth:`_per_round` events. Planning for the
         most draws a client could get (all ``m`` of every round, with repeats) would drown any model in noise, so the
         default plans one run a round; the budget's round check holds the target whatever the draws."""
         p = self.params
-        self.releases = int(any(part.loss_uploads for part in parts))
+        consumers = self.linked("loss_release")
+        self.releases = int(any(c.kind == "loss" for q in consumers for c in q.traits.channels().values()))
         cases = {(self._mechanism(i, 1.0), self._per_round(i) * self.rounds_planned) for i in self.sizes}
         worst = sorted(cases, key=lambda c: (-c[0].q, -c[1]))
         if self.sigma is not None:  # the ledger's largest ask, before any write
@@ -160,9 +159,6 @@ class LocalDP(Budgeted):
 
     @override
     def on_attach(self, fed: FederationView) -> None:
-        if not self.sizes:  # a federation built without the run's checks (tests): its own sizes and parts
-            self._setup({i: fed.num_samples(i) for i in range(fed.num_clients)}, fed.cfg)
-            self._calibrate(fed.parts)
         self._rows = row_grads(fed.net, fed.loss_fn)
         self._stacked_rows = torch.func.vmap(self._rows, in_dims=(0, 0, 0), randomness="different")
         per_row = getattr(getattr(fed.loss_fn, "__self__", None), "loss_rows", None)  # the task's per-row loss
@@ -227,7 +223,6 @@ class LocalDP(Budgeted):
         return self.plan[cid] * self.params.runs_per_round + self.releases
 
     # ------------------------------------------------------------------ released losses
-    @override
     @torch.no_grad()
     def release_loss(self, fed: FederationView, cid: int, state: dict[str, Tensor], round_idx: int) -> float:
         """Client ``cid``'s loss at ``state`` released as a DP-SGD step releases a gradient: rows drawn as a step's

@@ -8,19 +8,18 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from flx.hooks import FederatedCallback
+from flx.traits import PartTraits
 
 
 class LoggedMetrics(FederatedCallback):
     """Subclasses give :meth:`values`; each is logged as ``{split}/<key>`` (``val`` at each validation, ``test`` at
     the test), never during Lightning's sanity check."""
 
+    # evaluation only (nothing sent); any key under each split, ``{split}/*``: a subclass that knows its keys names them
+    traits = PartTraits(uploads={}, metrics=("{split}/*",))
+
     def values(self, fed: Any) -> dict[str, float]:
         raise NotImplementedError
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
-        """Any key under each split (``{split}/*``); a subclass that knows its keys names them."""
-        return ("{split}/*",)
 
     def _log(self, split: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:

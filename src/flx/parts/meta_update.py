@@ -48,9 +48,11 @@ from flx.autodiff import HVP_MODES, sq_norm
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.parts.personal_model import from_state, keep
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView
+    from flx.context import ClientContext, FederationView
+    from flx.hooks import Build
 
 _Y, _T = "augfl/y/", "augfl/t"  # client.state: the dual (one tensor per fed.params entry), the client's rounds
 DELTA_INDEX = ("client", "round")
@@ -88,7 +90,10 @@ class MetaUpdateParams:
 class MetaUpdate(FederatedCallback):
     """AugFL's closed-form client step (``local_update``) and its upload ``u_i = y_i + rho theta_i`` (weight rho)."""
 
-    uploads = ("its ADMM dual and query-set gradients (AugFL's meta-update)",)
+    traits = PartTraits(
+        uploads={"meta_update/u": Channel("its ADMM dual and query-set gradients (AugFL's meta-update)")},
+        aggregator=("admm_sum", "AugFL's server step (Eq. 13) needs admm_sum"),
+    )
 
     def __init__(self, **params: Any) -> None:
         self.params = p = MetaUpdateParams(**params)
@@ -110,16 +115,14 @@ class MetaUpdate(FederatedCallback):
         self._total = 0
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        if cfg.aggregator != "admm_sum":
-            raise bad_value("algo.aggregator", cfg.aggregator, "AugFL's server step (Eq. 13) needs admm_sum")
+    def check(self, build: Build) -> None:
+        cfg = build.cfg
         if cfg.server.lr != 1 or cfg.server.momentum != 0:
             raise bad_value("algo.server.lr", cfg.server.lr, "Eq. 13 is the server step itself: sgd, lr 1, momentum 0")
-        _require_support(datamodule.clients.client_support)
+        _require_support(build.clients.client_support)
 
     @override
     def on_attach(self, fed: FederationView) -> None:
-        _require_support(fed.data.client_support)
         self._total = sum(fed.num_samples(c) for c in range(fed.num_clients))
 
     def delta(self, client: ClientContext, t_client: int) -> float:

@@ -41,10 +41,12 @@ from typing_extensions import override
 from flx.hooks import FederatedCallback
 from flx.parts.client_loss import client_train_losses
 from flx.regularizers import Regularizer, make_regularizer
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import FederationConfig, FederationView
+    from flx.context import FederationView
     from flx.datamodules.client_eval import ClientRows
+    from flx.hooks import Build
 
 
 @torch.no_grad()
@@ -99,19 +101,23 @@ class Objective(FederatedCallback):
         regularizer: the ``algo.regularizer`` mapping of :math:`h` (``name``, ``mu``, ``params``, options).
     """
 
+    traits = PartTraits(uploads={})  # evaluation only (its metrics: set in __init__ and check)
+
     def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
         self.h = make_regularizer(regularizer)
         self.bound = False
-        self.splits: tuple[str, ...] = ("val", "test")  # the splits with per-client rows (check_setup)
+        self.splits: tuple[str, ...] = ("val", "test")  # the splits with per-client rows (check)
+        self._declare()
 
-    @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        self.splits = tuple(s for s in ("val", "test") if datamodule.has_client_rows(s))
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
+    def _declare(self) -> None:
         own = tuple(f"{s}/personal_objective" for s in self.splits)
-        return ("train/h", "train/objective", "train/personal_objective", *own)
+        self.traits = PartTraits(uploads={}, metrics=("train/h", "train/objective", "train/personal_objective", *own))
+
+    @override
+    def check(self, build: Build) -> None:
+        if build.datamodule is not None:  # a federation built directly evaluates every split it is given
+            self.splits = tuple(s for s in ("val", "test") if build.datamodule.has_client_rows(s))
+            self._declare()
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -53,10 +53,12 @@ from flx.hooks import FederatedCallback
 from flx.losses import xrisk
 from flx.models import heads
 from flx.parts import fedxl_pools
-from flx.parts.client_noise import ClientNoise
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView, Round
+    from flx.context import ClientContext, FederationView, Round
+    from flx.hooks import Build
+    from flx.parts.client_noise import ClientNoise
     from flx.vectorized import Cohort
 
 LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
@@ -100,11 +102,17 @@ class PassiveBuffer(FederatedCallback):
     Symbols: ``gamma`` (u rate), ``beta`` (momentum rate), ``lam`` (KL-OPAUC temperature), ``margin``.
     """
 
-    uploads = ("the prediction scores of its rows (the passive buffers)",)
-    headline = ("auroc", "pauc_0.3", "pauc_0.5")  # the paper's Tables 2-3
-    # algo.vectorize: sample_batch and local_loss run per client inside the stacked step (each client draws from its
-    # own generator, in the sequential order), the momentum per client on the stacked gradients (on_cohort_grad)
-    vectorizable = True
+    traits = PartTraits(
+        uploads={
+            _POOLS: Channel("the prediction scores of its rows (the passive buffers)"),
+            _MOMENTUM: Channel("its mean local gradient (server-side momentum)"),
+        },
+        # algo.vectorize: sample_batch and local_loss run per client inside the stacked step (each client draws from
+        # its own generator, in the sequential order), the momentum per client on the stacked gradients
+        vectorizable=True,
+        uses=("client_noise",),  # the clients' input noise, applied to the initial pools' scores too
+        headline=("auroc", "pauc_0.3", "pauc_0.5"),  # the paper's Tables 2-3
+    )
 
     def __init__(self, **params: Any) -> None:
         self.params = p = PassiveBufferParams(**params)
@@ -136,10 +144,11 @@ class PassiveBuffer(FederatedCallback):
         self._slots: dict[str, list[slice]] = {}  # per key, client cid's entries in the pools statistic
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        y = datamodule.data.y_train
+    def check(self, build: Build) -> None:
+        y = build.clients.y  # the training split's labels
         xrisk.check_binary_labels(y, "FeDXL (algo=fedxl1|fedxl2|fedxl_localpair)")
-        for cid, rows in enumerate(datamodule.client_train):
+        for cid in range(build.clients.num_train_clients):
+            rows = build.clients.client_indices[cid]
             positives = int((y[rows] == 1).sum())
             if positives in (0, len(rows)):
                 has = "no positives" if positives == 0 else "no negatives"
@@ -176,7 +185,7 @@ class PassiveBuffer(FederatedCallback):
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
         if not self.pools and self.params.pairs == "passive":
             if self.params.init_pools == "minibatch":
-                noise = [q for q in fed.parts if isinstance(q, ClientNoise)]
+                noise = [cast("ClientNoise", q) for q in self.linked("client_noise")]
                 self.pools = [fedxl_pools.minibatch_pool(fed, self.score, self.params, noise)]
             else:
                 self.pools = [fedxl_pools.initial_pool(fed, self.score, self.params.u0)]

@@ -30,9 +30,11 @@ from flx.autodiff import HVP_MODES
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.parts.meta_update import maml_gradient
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView
+    from flx.context import ClientContext, FederationView
+    from flx.hooks import Build
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class PerFedAvgParams:
 class PerFedAvg(FederatedCallback):
     """Per-FedAvg's local update (``local_update``): ``K`` MAML steps of size ``algo.lr`` on support / query."""
 
+    traits = PartTraits(uploads={})  # its model after the MAML steps: the model update
+
     def __init__(self, **params: Any) -> None:
         self.params = p = PerFedAvgParams(**params)
         check_fields(p, "algo.")
@@ -58,12 +62,8 @@ class PerFedAvg(FederatedCallback):
             raise bad_value("algo.delta", p.delta, "> 0")
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        _require_support(datamodule.clients.client_support)
-
-    @override
-    def on_attach(self, fed: FederationView) -> None:
-        _require_support(fed.data.client_support)
+    def check(self, build: Build) -> None:
+        _require_support(build.clients.client_support)
 
     @override
     def local_update(self, fed: FederationView, client: ClientContext) -> Tensor:

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView
@@ -76,7 +77,7 @@ class PersonalModelParams:
 class PersonalModel(FederatedCallback):
     """The personalised model of an algorithm without one: the global model or the client's last local model."""
 
-    headline = PERSONAL_HEADLINE
+    traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE)  # the personal model stays on the client
 
     def __init__(self, model: str = "global") -> None:
         if model not in MODELS:

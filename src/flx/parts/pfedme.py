@@ -48,9 +48,11 @@ from flx.parts.fbe import as_regularizer, full_grad
 from flx.parts.moreau import default_tol, moreau_solve
 from flx.parts.personal_model import install, keep, stored
 from flx.regularizers import Regularizer
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView
+    from flx.context import ClientContext, FederationView
+    from flx.hooks import Build
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class PFedMe(FederatedCallback):
     """pFedMe's local update (``local_update``) and personal model (``personalize``); ``regularizer`` as in
     :class:`~flx.parts.fbe.FBE` (None: :math:`h = 0`, pFedMe as published)."""
 
-    headline = PERSONAL_HEADLINE
+    traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE)  # theta_i stays on the client
 
     def __init__(self, regularizer: Regularizer | Any = None, **params: Any) -> None:
         self.params = p = PFedMeParams(**params)
@@ -109,7 +111,8 @@ class PFedMe(FederatedCallback):
         self.warned = False
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+    def check(self, build: Build) -> None:
+        cfg = build.cfg
         for key in ("momentum", "weight_decay"):  # the local update is this part's own plain step, not the core's SGD
             if getattr(cfg, key) != 0:
                 raise bad_value(f"algo.{key}", getattr(cfg, key), "must be 0: pFedMe's local update is plain")

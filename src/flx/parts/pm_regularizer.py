@@ -49,9 +49,11 @@ from flx.models.features import feature_dim, penultimate
 from flx.models.frozen import cache_fingerprint, check_cache, freeze, pretrained_on
 from flx.models.pretrain import PretrainParams
 from flx.sampling import derive_seed
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import FederationConfig, FederationView, Round
+    from flx.context import FederationView, Round
+    from flx.hooks import Build
 
 GRADIENTS = ("paper", "code")
 _TAG = 0x414647  # "AFG": the server minibatch order and the CRD negatives of round t
@@ -84,6 +86,8 @@ class PMParams:
 class PMRegularizer(FederatedCallback):
     """Subtracts :math:`\\lambda G^t / \\sum_i \\rho_i` from the ADMM mean (``on_server_step``)."""
 
+    traits = PartTraits(uploads={})  # the server's own rows and models
+
     def __init__(self, **params: Any) -> None:
         for key in ("crd", "pretrain"):
             params[key] = dict(params.get(key) or {})
@@ -107,9 +111,8 @@ class PMRegularizer(FederatedCallback):
         self.crd: CRD | None = None
         self.pm_net: nn.Module | None = None
         self.head_opt: torch.optim.Optimizer | None = None
-        self._restored: dict[str, Any] | None = None
-        # what the PM trained in the run is made from (flx.models.frozen.cache_fingerprint): set by check_setup,
-        # stored next to the cache file; None for a federation built by hand (no check, none stored)
+        # what the PM trained in the run is made from (flx.models.frozen.cache_fingerprint): set by check, stored next
+        # to the cache file; None for a federation built directly from a client store (no server rows, none stored)
         self.cache_fingerprint: dict[str, Any] | None = None
 
     @property
@@ -117,23 +120,24 @@ class PMRegularizer(FederatedCallback):
         return self.params.lam > 0
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+    def check(self, build: Build) -> None:
         """The PM and the server rows exist; a PM cached by an earlier run (``cache``) was made from this run's
-        server rows, model, recipe and seed. Before anything is written."""
+        server rows, model, recipe and seed. Before anything is written. (A federation built directly from a client
+        store has no data config to fingerprint: its PM is trained without one.)"""
         if not self.active:
             return
-        res = datamodule.server_resources
+        res, datamodule = build.resources, build.datamodule
         self._require(res)
         p = self.params
-        if p.pm in res.models or p.cache is None:
+        if p.pm in res.models or p.cache is None or datamodule is None:
             return
-        x, y = datamodule.clients.x[res.rows], datamodule.clients.y[res.rows]
+        x, y = build.clients.x[res.rows], build.clients.y[res.rows]
         recipe = {
             k: v
             for k, v in asdict(PretrainParams(**p.pretrain, key_prefix="algo.pm_pretrain.")).items()
             if k != "key_prefix"
         }
-        seed = derive_seed(cfg.seed, _TAG, 2)
+        seed = derive_seed(build.cfg.seed, _TAG, 2)
         self.cache_fingerprint = cache_fingerprint(p.pm_model, x, y, recipe, seed, datamodule.data.num_classes)
         check_cache(p.cache, self.cache_fingerprint, "algo.pm_cache")
 
@@ -150,7 +154,6 @@ class PMRegularizer(FederatedCallback):
         if not self.active:
             return
         p, res = self.params, fed.resources
-        self._require(res)
         self.pm_net = pm = self._load_pm(fed).to(fed.params[0].device)
         if p.rh == "l2":
             l2_to_pm_grad(fed.params, list(pm.parameters()))  # checks the architectures now, not at round 0
@@ -160,7 +163,6 @@ class PMRegularizer(FederatedCallback):
             dims = feature_dim(fed.net, shape), feature_dim(pm, shape)
             self.crd = CRD(*dims, num_data=len(res.rows), generator=gen, **p.crd).to(fed.params[0])
             self.head_opt = self._sgd(self.crd.parameters())
-            self._restore()
 
     def _load_pm(self, fed: FederationView) -> nn.Module:
         """``server.models.<pm>``, or else a PM of ``pm_model`` trained on the server rows (on rank 0, where the
@@ -260,12 +262,7 @@ class PMRegularizer(FederatedCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = state_dict  # applied now, or in on_attach once the CRD module exists
-        self._restore()
-
-    def _restore(self) -> None:
-        state = self._restored
-        if self.crd is not None and state is not None and "crd" in state:
-            self.crd.load_state_dict(state["crd"])
-            self.head_opt.load_state_dict(state["head_opt"])
-            self._restored = None
+        """After ``on_attach``, which built the CRD heads (``rh=crd``): their trained state replaces the fresh one."""
+        if self.crd is not None and "crd" in state_dict:
+            self.crd.load_state_dict(state_dict["crd"])
+            self.head_opt.load_state_dict(state_dict["head_opt"])

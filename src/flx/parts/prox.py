@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView
@@ -41,8 +42,11 @@ class ProxParams:
 class Prox(FederatedCallback):
     """Adds ``mu * (w - w_global)`` to every local gradient. Symbols: ``mu``, ``w^t`` (round's global model)."""
 
-    vectorizable = True  # algo.vectorize: the same term on the stacked gradients (on_cohort_grad)
-    data_free_steps = True  # the term reads the models only: local DP-SGD's clipped gradient stays private
+    traits = PartTraits(
+        uploads={},
+        steps="data_free",  # the term reads the models only: local DP-SGD's clipped gradient stays private
+        vectorizable=True,  # algo.vectorize: the same term on the stacked gradients (on_cohort_grad)
+    )
 
     def __init__(self, mu: float = 0.01) -> None:
         check_fields(ProxParams(mu=mu), "algo.")

@@ -63,9 +63,11 @@ from typing_extensions import override
 from flx.errors import bad_value
 from flx.hooks import FederatedCallback
 from flx.regularizers import make_regularizer
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationConfig, FederationView, Round
+    from flx.context import ClientContext, FederationView, Round
+    from flx.hooks import Build
 
 # registered statistics: [sum_i p_i K_i, sum_i p_i] over the round's aggregated clients, for K-bar
 _MID_STEPS, _DUAL_STEPS = "prox_step/steps", "dual_averaging/steps"
@@ -105,7 +107,10 @@ class ProxStep(FederatedCallback):
         server_prox: see :class:`ProxStepParams`.
     """
 
-    data_free_steps = True  # the prox operator reads the model only
+    traits = PartTraits(
+        uploads={_MID_STEPS: Channel("its local step count (K-bar)", "count")},
+        steps="data_free",  # the prox operator reads the model only
+    )
 
     def __init__(self, regularizer: Mapping[str, Any] | None = None, server_prox: bool = True) -> None:
         if not isinstance(server_prox, bool):
@@ -154,7 +159,11 @@ class DualAveraging(FederatedCallback):
         regularizer: the ``algo.regularizer`` mapping (:func:`flx.regularizers.make_regularizer`); None: ``h = 0``.
     """
 
-    data_free_steps = True  # the dual steps on the gradient as the other hooks left it (private under local DP-SGD)
+    traits = PartTraits(
+        uploads={_DUAL_STEPS: Channel("its local step count (K-bar)", "count")},  # z_i travels as its model
+        steps="data_free",  # the dual steps on the gradient as the other hooks left it (private under local DP-SGD)
+        aggregator=("mean", "FedDualAvg averages the clients' duals: use mean"),
+    )
 
     def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
         self.reg = make_regularizer(regularizer)
@@ -163,22 +172,18 @@ class DualAveraging(FederatedCallback):
         self._stepped = False  # whether this round had a server step (set in on_server_step, read in on_round_end)
 
     @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
+    def check(self, build: Build) -> None:
+        cfg = build.cfg
         if cfg.momentum != 0:
             raise bad_value("algo.momentum", cfg.momentum, "FedDualAvg takes plain gradient steps on the dual: use 0")
         if cfg.weight_decay != 0:
             why = "FedDualAvg takes plain gradient steps on the dual: use 0 (an l2 term: regularizer elastic_net, mu2)"
             raise bad_value("algo.weight_decay", cfg.weight_decay, why)
-        if cfg.aggregator != "mean":
-            raise bad_value("algo.aggregator", cfg.aggregator, "FedDualAvg averages the clients' duals: use mean")
 
     @override
     def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
-        if self.z is None:  # a resumed run loaded z with the checkpoint
-            self.z = [p.detach().clone() for p in fed.params]
-        else:
-            self.z = [z.to(p.device, p.dtype) for z, p in zip(self.z, fed.params)]
+        self.z = [p.detach().clone() for p in fed.params]  # z^0 = w^0; a resumed run's checkpoint replaces it
         _register_steps(fed, _DUAL_STEPS)
 
     @torch.no_grad()
@@ -242,4 +247,6 @@ class DualAveraging(FederatedCallback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.z, self.elapsed = state_dict["z"], float(state_dict["elapsed"])
+        """After ``on_attach``: the checkpoint's ``z`` on the model's device and dtype (those of ``z^0``)."""
+        self.z = [z.to(z0.device, z0.dtype) for z, z0 in zip(state_dict["z"], self.z)]
+        self.elapsed = float(state_dict["elapsed"])

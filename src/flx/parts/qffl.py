@@ -59,6 +59,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView, Round
@@ -96,7 +97,7 @@ class QFFL(FederatedCallback):
     Symbols: ``q``, ``L`` (lipschitz), ``F_k`` (client loss at ``w^t``), ``a_k = F_k^q``, ``h_k``, ``s``.
     """
 
-    uploads = ("its loss (q-FFL's h_i weights)",)
+    traits = PartTraits(uploads={_SUMS: Channel("its loss (q-FFL's h_i weights)")})
 
     def __init__(self, q: float = 0.2, lipschitz: float | None = None) -> None:
         check_fields(QFFLParams(q=q, lipschitz=lipschitz), "algo.")

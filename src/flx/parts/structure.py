@@ -21,7 +21,7 @@ The truth comes from the data (:func:`flx.datamodules.pfedfbe_data.client_truth`
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -31,9 +31,11 @@ from flx.datamodules.pfedfbe_data import client_truth
 from flx.errors import bad_value, number_error
 from flx.metrics.sparse import THRESHOLD, numerical_rank, recovery_error, support_scores
 from flx.parts.logged import LoggedMetrics
+from flx.traits import PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import FederationConfig, FederationView
+    from flx.context import FederationView
+    from flx.hooks import Build
 
 SUPPORT = ("support_precision", "support_recall", "support_f1", "density")
 LOW_RANK = ("rank", "recovery_error")
@@ -55,15 +57,18 @@ class Structure(LoggedMetrics):
             raise bad_value("algo.parts.structure.threshold", threshold, "must be > 0")
         self.param, self.threshold = param, float(threshold)
         self.truths: Tensor | None = None
+        self._declare()
 
-    @override
-    def check_setup(self, datamodule: Any, cfg: FederationConfig) -> None:
-        self.truths = client_truth(datamodule.data, datamodule.client_train).double()
-
-    @override
-    def metric_names(self) -> tuple[str, ...]:
+    def _declare(self) -> None:
         keys = (SUPPORT, LOW_RANK) if self.truths is None else (SUPPORT if self.truths.dim() == 2 else LOW_RANK,)
-        return tuple(f"{{split}}/{p}{k}{s}" for ks in keys for k in ks for p, s in (("", ""), ("personal_", "_mean")))
+        names = tuple(f"{{split}}/{p}{k}{s}" for ks in keys for k in ks for p, s in (("", ""), ("personal_", "_mean")))
+        self.traits = PartTraits(uploads={}, metrics=names)
+
+    @override
+    def check(self, build: Build) -> None:
+        if build.datamodule is not None:  # the data's ground truth (a client store alone has none)
+            self.truths = client_truth(build.datamodule.data, build.datamodule.client_train).double()
+            self._declare()
 
     def _index(self, fed: FederationView) -> int:
         names = [n for n, p in fed.net.named_parameters() if p.requires_grad]
@@ -82,7 +87,7 @@ class Structure(LoggedMetrics):
 
     def values(self, fed: FederationView) -> dict[str, float]:
         """Every metric of the global model (mean over the clients' truths) and of the personalised models."""
-        if self.truths is None:  # check_setup not run (a part built by hand without data)
+        if self.truths is None:  # no ground truth: a federation built directly from a client store
             return {}
         truths, i = self.truths.to(fed.params[0].device), self._index(fed)
         keys = SUPPORT if truths.dim() == 2 else LOW_RANK

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from flx.errors import MAX_INT, ConfigError, bad_value, check_fields, count
@@ -44,9 +44,11 @@ from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices,
 from flx.parts import whale_report as report
 from flx.parts import whale_utility as wu
 from flx.sampling import derive_seed
+from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
-    from flx.context import ClientContext, FederationSpec, FederationView, Round
+    from flx.context import ClientContext, FederationView, Round
+    from flx.hooks import Build
 
 _MASK_TAG, _LABEL_TAG = 0x57A1, 0x57A2
 _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches this round
@@ -83,7 +85,11 @@ class SubnetworkParams:
 class Subnetwork(FederatedCallback):
     """Per-round width levels (WHALE-FL or fixed), sub-model masks, Fisher windows and static-BN evaluation."""
 
-    uploads = ("its Fisher values (WHALE-FL's level schedule)",)
+    traits = PartTraits(
+        uploads={_FI2: Channel("its Fisher values (WHALE-FL's level schedule)")},
+        aggregator=("count_mean", "sub-networks need count_mean"),
+        metrics=("whale/*", "sim/time_to_target"),
+    )
 
     def __init__(self, **params: Any) -> None:
         if "max_levels" in params and params["max_levels"] is not None:
@@ -133,16 +139,10 @@ class Subnetwork(FederatedCallback):
 
     # ------------------------------------------------------------------ setup
     @override
-    def check_federation(self, datamodule: Any, fed: FederationSpec, net: nn.Module) -> None:
-        """The aggregator, the simulated devices, a width-scalable net, a device profile per level and a level cap
-        per device type: all decided by the config, checked before anything is written (and again at attach, for a
-        federation built by hand)."""
-        self._require(fed, net, datamodule.num_clients)
-
-    def _require(self, fed: FederationSpec | FederationView, net: nn.Module, num_clients: int) -> None:
-        p = self.params
-        if fed.cfg.aggregator != "count_mean":
-            raise bad_value("algo.aggregator", fed.cfg.aggregator, "sub-networks need count_mean")
+    def check(self, build: Build) -> None:
+        """The simulated devices, a width-scalable net, a device profile per level and a level cap per device type:
+        all decided by the config, checked before anything is written (the aggregator: ``traits.aggregator``)."""
+        p, fed, net, num_clients = self.params, build, build.net, build.clients.num_train_clients
         if fed.system is None:
             raise ConfigError("system=none: sub-network scheduling needs simulated devices, e.g. system=mobile20")
         if not hasattr(net, "width_groups") or not hasattr(net, "set_width"):
@@ -159,14 +159,8 @@ class Subnetwork(FederatedCallback):
             raise bad_value("algo.max_levels", dict(p.max_levels), f"no level for device types {missing}")
 
     @override
-    def metric_names(self) -> tuple[str, ...]:
-        return ("whale/*", "sim/time_to_target")
-
-    @override
     def on_attach(self, fed: FederationView) -> None:
-        self._require(fed, fed.net, fed.num_clients)
-        if len(self.windows) != fed.num_clients:  # a resumed run loaded them with the checkpoint
-            self.windows = [[] for _ in range(fed.num_clients)]
+        self.windows = [[] for _ in range(fed.num_clients)]  # a resumed run's checkpoint replaces them
         fed.register_stat(_FI2, torch.zeros(fed.num_clients, dtype=fed.params[0].dtype))
         self._fed = fed
 
