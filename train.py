@@ -32,8 +32,8 @@ def _start_collecting() -> None:
     made (~800,000 objects, almost all module-level and alive to the end) into the permanent generation
     (``gc.freeze``), which no later collection scans. ``__main__`` turns collection off before its first import (the
     pattern of Python's ``gc.freeze`` documentation): the imports alone triggered ~7 full collections of that growing
-    heap (~0.6 s each by the end): workload (a) of ``make bench`` reaches its first round 1.2-1.6 s sooner, its rounds
-    unchanged. What the imports left unreachable is frozen with the rest: ~13,000 objects, ~8 MB, once. Once per
+    heap, the start-up's largest cost beyond the imports themselves (measured: docs/performance.md, "Start-up and the
+    garbage collector"). What the imports left unreachable is frozen with the rest, once. Once per
     process, and only where ``__main__`` paused it: the next job of a sweep, or a caller that imported this module,
     finds nothing to do."""
     if _GC_PAUSED[0]:

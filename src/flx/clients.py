@@ -52,7 +52,7 @@ class ClientRunner:
         else:
             seed = rnd.seeds[cid]
         # dropout & co. depend only on (seed, round, client). Not torch.manual_seed: on CUDA builds it records a
-        # stack trace per call for lazy CUDA seeding (~0.5 ms under Lightning's call stack)
+        # stack trace per call for lazy CUDA seeding (costly under Lightning's deep call stack)
         torch.default_generator.manual_seed(seed)
         if fed.params[0].is_cuda:
             torch.cuda.manual_seed(seed)
@@ -143,7 +143,7 @@ class ClientRunner:
         fed = self.fed
         opt = fed.local_opt
         opt.state.clear()  # a fresh local optimizer per client
-        # plain SGD (FedAvg's default) steps without torch.optim's per-call bookkeeping (~50 us a step, flx.local_sgd)
+        # plain SGD (FedAvg's default) steps without torch.optim's per-call bookkeeping (flx.local_sgd)
         plain = is_plain_sgd(opt)
         zero_grad = (lambda: clear_grads(opt)) if plain else (lambda: opt.zero_grad(set_to_none=True))
         step = (lambda: sgd_step(opt)) if plain else opt.step

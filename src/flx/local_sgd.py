@@ -1,14 +1,13 @@
 """The default local steps' fast path: the SGD step without ``torch.optim``'s per-call machinery, and the
 minibatches' labels gathered once per client.
 
-``torch.optim.SGD.step`` and ``zero_grad`` take ~50 us a step on the CPU whatever the model: profiler ranges, step
-hooks, the grad-mode decorator, state and foreach bookkeeping. The arithmetic of a small model's step is a few
-microseconds, and its forward, loss and backward ~80 us, so for logistic regression the optimizer's bookkeeping was
-a third of the local training. For plain SGD (no momentum, no weight decay: FedAvg's default), :func:`sgd_step`
-applies the same update with the same op, ``p += -lr * p.grad`` through ``torch._foreach_add_`` per parameter group:
-bitwise equal to ``SGD.step`` (on the CPU it runs tensor by tensor, as torch's single-tensor SGD does; on CUDA it is
-torch's default foreach path). Each group's ``lr`` is read at every step (parts may change it). ``torch.optim``'s
-step hooks do not run for these steps.
+``torch.optim.SGD.step`` and ``zero_grad`` cost the same fixed bookkeeping a step whatever the model (profiler ranges,
+step hooks, the grad-mode decorator, state and foreach bookkeeping); for a small model such as logistic regression that
+was a third of the local training (docs/performance.md#costs-behind-the-codes-choices). For plain SGD (no momentum, no
+weight decay: FedAvg's default), :func:`sgd_step` applies the same update with the same op, ``p += -lr * p.grad``
+through ``torch._foreach_add_`` per parameter group: bitwise equal to ``SGD.step`` (on the CPU it runs tensor by tensor,
+as torch's single-tensor SGD does; on CUDA it is torch's default foreach path). Each group's ``lr`` is read at every
+step (parts may change it). ``torch.optim``'s step hooks do not run for these steps.
 
 :func:`minibatches` gathers a client's integer labels for all its steps in one index operation (the inputs stay one
 gather per step: see there).
@@ -86,13 +85,12 @@ def minibatches(x: Tensor, y: Tensor, batches: Iterator[Tensor]) -> Iterator[tup
     """``(x[rows], y[rows])`` for each ``rows`` of ``batches`` (a client's minibatch stream), the same values as one
     gather each.
 
-    Integer labels (class ids) are gathered for consecutive steps at once (up to :data:`LABEL_ROWS` rows) and split
-    into views: one index operation for a small client's steps instead of one a step (~2 us each, a tenth of a small
-    model's overhead per step). Only there: a float tensor in a view at another memory offset can round differently
-    (measured: a 30-feature input gathered this way changed a model by 7e-8 after 10 rounds, as the same kernels took
-    another path), while integer labels are only looked up and compared. So inputs, and float targets, stay one gather
-    a step, and the model is bitwise what it was. The stream is drawn ahead of the steps (the client's generator draws
-    nothing else meanwhile).
+    Integer labels (class ids) are gathered for consecutive steps at once (up to :data:`LABEL_ROWS` rows) and split into
+    views: one index operation for a small client's steps instead of one a step. Only there: a float tensor in a view at
+    another memory offset can round differently (a 30-feature input gathered this way changed a model by 7e-8 after 10
+    rounds, as the same kernels took another path), while integer labels are only looked up and compared. So inputs, and
+    float targets, stay one gather a step, and the model is bitwise what it was. The stream is drawn ahead of the steps
+    (the client's generator draws nothing else meanwhile).
     """
     if y.dtype.is_floating_point or y.dtype.is_complex:  # y: a tensor, or a store kept on the host (HostRows)
         for rows in batches:

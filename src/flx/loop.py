@@ -6,7 +6,7 @@
 * before ``on_train_epoch_start`` the round's cohort is sampled and sharded,
 * the round's single training "batch" is this rank's shard of client ids, trained one after the other by
   ``training_step`` (manual optimization) without Lightning's per-batch machinery between two clients (its hooks,
-  logger and progress bookkeeping cost ~0.5 ms a batch, as much as several local steps of a small model),
+  logger and progress bookkeeping cost as much as several local steps of a small model),
 * after that batch, and before Lightning's validation check, the round is reduced and the server step runs (every
   rank, even one with no client this round),
 

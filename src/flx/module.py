@@ -228,8 +228,8 @@ class FederatedModule(pl.LightningModule):
         and Lightning's monitoring callbacks read) as ``self.log(name, value, on_epoch=True)`` would at the round's
         end: scalars of :attr:`logged_dtype` (float32; float64 in a float64 run), after the plain callbacks' and
         before the monitoring callbacks' ``on_train_epoch_end``. Not through ``self.log``: Lightning's result
-        collection costs ~0.7 ms a key and round (it moves the whole metric object to the value's device at every
-        call), a tenth of the overhead of a small model's round; the loggers get the values from :meth:`log_round`.
+        collection moves the whole metric object to the value's device at every call, a tenth of the overhead of a
+        small model's round (docs/performance.md); the loggers get the values from :meth:`log_round`.
         Returns the values as the loggers write them (rounded to :attr:`logged_dtype` on the host: no device sync)."""
         host = {k: torch.tensor(v, dtype=self.logged_dtype) for k, v in values.items()}
         self.trainer.callback_metrics.update({k: t.to(self.device) for k, t in host.items()})

@@ -33,8 +33,8 @@ _MASK32, _XSHIFT = 0xFFFFFFFF, 16
 _INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
 _MIX_MULT_L, _MIX_MULT_R, _POOL = 0xCA01F9DD, 0x4973F715, 4
 NUMPY_FROM = 16
-"""Below this many tuples :func:`derive_seeds` makes one SeedSequence per tuple (~6 us each): less than its numpy
-path's ~40 array operations (~90 us for 10 tuples)."""
+"""Below this many tuples :func:`derive_seeds` makes one SeedSequence per tuple: cheaper than its numpy path's ~40
+array operations (docs/performance.md#costs-behind-the-codes-choices)."""
 
 
 def _uint32_words(n: int) -> list[int]:
@@ -52,7 +52,7 @@ def derive_seeds(*words: int | np.ndarray) -> np.ndarray:
     Each word is an int or an array (the same length for every array word); array entries must lie in
     ``[0, 2**32)`` (one SeedSequence word each). From :data:`NUMPY_FROM` tuples on, SeedSequence's entropy mixing and
     ``generate_state`` are computed with numpy over the arrays (uint64 arithmetic masked to 32 bits), ~40 array
-    operations in all, instead of one SeedSequence (~6 us) per tuple; fewer tuples get one SeedSequence each.
+    operations in all, instead of one SeedSequence per tuple; fewer tuples get one SeedSequence each.
     """
     n = max((len(w) for w in words if isinstance(w, np.ndarray)), default=1)
     for w in words:
@@ -135,9 +135,9 @@ LAZY_MIN_ROWS = 8192
 LAZY_MAX_FRACTION = 1 / 16
 """A pass of a client with at least :data:`LAZY_MIN_ROWS` rows that needs at most this fraction of its rows draws only
 those rows (:func:`permutation_prefix`); otherwise the whole ``randperm``. Both give the same distribution; the
-constants only pick the cheaper one. Measured (one thread): a ``randperm`` plus gather costs about 9 ns a row (85 us at
-10,000 rows, 0.9 ms at 100,000) and the lazy draw about 20 us plus a sort of the drawn rows (45-70 us for 1/16 of 8,192
-to 10,000 rows, 0.4 ms for 5,000 of 100,000), so the lazy draw wins from about these values on."""
+constants only pick the cheaper one: a ``randperm`` costs in proportion to the client's rows, the lazy draw a fixed
+start plus a sort of the drawn rows, and the lazy draw wins from about these values on (the timings:
+docs/performance.md#costs-behind-the-codes-choices)."""
 
 
 class RowsLike(Protocol):

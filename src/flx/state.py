@@ -4,7 +4,7 @@ Per-client state (duals, personal models, moving averages, Fisher history) never
 per client on the accelerator: parts ``get`` a client's tensors when the client starts and ``put`` them
 back when it ends. The store is checkpointed with the Lightning checkpoint at round boundaries.
 
-In memory a client costs its tensors' bytes plus ~0.7-0.9 KB (measured; docs/state_and_resume.md): its tensors are
+In memory a client costs its tensors' bytes plus under a kilobyte (docs/performance.md#memory): its tensors are
 packed into one flat CPU buffer per dtype, and the names, shapes and dtypes (the layout, the same for every client of a
 part) are kept once for the store, not per client.
 """

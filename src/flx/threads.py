@@ -19,9 +19,9 @@ same model each time on the same allocation (torch's reductions can round differ
 The load is met instead by a short OpenMP wait, which ``train.py`` sets before torch starts its thread pool
 (:func:`short_wait`): with the default policy a waiting thread spins (libgomp: 300,000 iterations, ~3 ms) before it
 sleeps, so two processes whose threads outnumber the cores spin against each other's work; sleeping at once (the
-passive policy) makes every parallel op of an idle machine wait for a thread to wake. A spin of ~10 us keeps both:
-the idle speed of the default and the busy speed of the passive policy (docs/configs.md#cpu-threads has the
-measurements). This module imports neither torch nor Lightning: the config check uses it.
+passive policy) makes every parallel op of an idle machine wait for a thread to wake. A short spin keeps both:
+the idle speed of the default and the busy speed of the passive policy (docs/configs.md#cpu-threads; the
+measurements: docs/performance.md). This module imports neither torch nor Lightning: the config check uses it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ WAIT_POLICY = "OMP_WAIT_POLICY"
 SPIN_COUNT = "GOMP_SPINCOUNT"
 # spins of a waiting libgomp thread before it sleeps: ~10 us at libgomp's own estimate of 100,000 spins a millisecond,
 # long enough to catch the next parallel op of the same step on an idle machine, too short to hold a core that another
-# job needs (docs/configs.md#cpu-threads: measured 1,000 to 30,000)
+# job needs (spin counts compared: docs/performance.md#cpu-threads-and-the-openmp-wait)
 SHORT_SPIN = "1000"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -166,8 +166,8 @@ def auto_threads(trainer: Mapping[str, Any], env: Mapping[str, str] = os.environ
 
 SMALL_STEP_FLOPS = 1e8
 """A local step under this many floating-point operations runs on 1 thread with ``auto``: its ops are too small to
-split (measured: ``make train``'s MLP, ~1e7 a step, ran 4x slower on 2 threads than on 1 with the passive policy on
-an idle 2-core machine; workload (a)'s CNN, ~1e9 a step, 1.3x faster)."""
+split, and each one would pay a sleeping thread's wake-up (``make train``'s MLP, ~1e7 a step, is under it; workload
+(a)'s CNN, ~1e9, above; docs/performance.md#cpu-threads-and-the-openmp-wait)."""
 
 
 def step_flops(net: Any, input_shape: Any, batch_size: int) -> float:

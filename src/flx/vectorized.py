@@ -121,7 +121,7 @@ class Stacked(ClientRunner):
         m, cfg = len(clients), fed.cfg
         folded = foldable(fed.net)
         # a folded net's weights are stored transposed, (m, in, out): the gradient of baddbmm(x, W^T) then comes out
-        # in the storage's own layout, and the SGD step adds contiguous tensors (~3x faster than through the transpose)
+        # in the storage's own layout, and the SGD step adds contiguous tensors (not strided ones, through a transpose)
         flip = [folded and g.dim() == 2 for g in fed.global_params]
         leaves = [_stack(g.t().contiguous() if f else g, m).requires_grad_() for g, f in zip(fed.global_params, flip)]
         params = [w.mT if f else w for w, f in zip(leaves, flip)]  # (m, *p.shape): views of the leaves

@@ -146,8 +146,8 @@ class RoundCurves(RoundRecorder):
     @override
     def state_dict(self) -> dict[str, Any]:
         """``keys``: the metrics with points; ``points``: one float64 ``(n, 3)`` tensor of ``(key index, round,
-        value)`` rows. Pickling it is one object however many rounds ran; as lists of pairs, every point cost the
-        round checkpoint three objects, a cost that grew with each round (and one tensor per key costs ~20 us each)."""
+        value)`` rows. Pickling it is one object however many rounds ran; as lists of pairs, every point cost the round
+        checkpoint three objects, a cost that grew with each round (and one tensor per key would cost one more each)."""
         keys = [k for k, points in self.history.items() if points]
         rows = [(i, r, v) for i, k in enumerate(keys) for r, v in self.history[k]]
         return {"keys": keys, "points": torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)}

@@ -1,11 +1,11 @@
 """The run's data, loaded while the process imports Lightning: two parts of the start-up at once.
 
-``python train.py`` first imports torch, Lightning and flx (~4 s on a 2-core machine, Python byte code that holds the
-GIL), then loads its data (drawing, reading and copying tensors, which mostly runs outside the GIL: ~1 s for the
-benchmark's 51,000 synthetic 3x32x32 images). ``train.py`` calls :func:`start` as soon as the configuration is known,
-which runs the data protocol (:func:`flx.datamodules.protocol.load` of ``data.loader``) in a background thread;
-``flx.run.build`` then :func:`take`\\ s the result for the run's datamodule instead of loading it again, waiting for
-the thread if it is not done.
+``python train.py`` first imports torch, Lightning and flx (seconds of Python byte code that holds the GIL), then loads
+its data (drawing, reading and copying tensors, which mostly runs outside the GIL; the start-up's parts:
+docs/performance.md#start-up-and-the-garbage-collector). ``train.py`` calls :func:`start` as soon as the configuration
+is known, which runs the data protocol (:func:`flx.datamodules.protocol.load` of ``data.loader``) in a background
+thread; ``flx.run.build`` then :func:`take`\\ s the result for the run's datamodule instead of loading it again, waiting
+for the thread if it is not done.
 
 The data are the same tensors either way: loaders draw only from their own seeded generators, never from the global
 random state (``tests/datamodules/test_prefetch.py`` compares a prefetched run with a loaded one bitwise).

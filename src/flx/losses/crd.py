@@ -1,57 +1,26 @@
 r"""Contrastive Representation Distillation (CRD), the regulariser :math:`R_h` of AugFL's experiments.
 
-Tian, Krishnan, Isola, "Contrastive Representation Distillation", ICLR 2020; used as :math:`R_h(\theta, \theta_p)`
-by Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models", Section V. On a
-server set of :math:`D` samples, the student (meta-model) features
-:math:`s_i = g^\theta(x_i)` and teacher (PM) features :math:`c_i = g^{\theta_p}(x_i)` are embedded on the unit
-sphere of :math:`\mathbb R^d` by two heads :math:`f^s, f^c` (``Linear`` then :math:`\ell_2` normalisation), the
-teacher's features detached (:math:`\mathrm{sg}`: the PM is frozen):
-
-.. math::
-    v^s_i = f^s(s_i) = \frac{W_s s_i + b_s}{\lVert W_s s_i + b_s \rVert}, \qquad
-    v^c_i = f^c(\mathrm{sg}[c_i]).
-
-Two memory banks :math:`M^s, M^c \in \mathbb R^{D \times d}` hold one unit vector per sample. In the student
-direction, sample :math:`i` is scored against row :math:`j` of the teacher bank by the critic of Section V,
+Y. Tian, D. Krishnan, P. Isola, "Contrastive Representation Distillation", ICLR 2020, arXiv:1910.10699; used as
+:math:`R_h(\theta, \theta_p)` by Yue, Qin, Deng, Ren, Zhang, Zhang, "AugFL: Augmenting Federated Learning with
+Pretrained Models", arXiv:2503.02154, Section V. Student features :math:`s_i = g^\theta(x_i)` and frozen teacher
+(PM) features :math:`c_i` are embedded on the unit sphere by two heads, :math:`v^s_i = f^s(s_i)`, :math:`v^c_i =
+f^c(\mathrm{sg}[c_i])` (``Linear`` then :math:`\ell_2` normalisation); two memory banks :math:`M^s, M^c \in
+\mathbb R^{D \times d}` hold one unit vector per server sample. In the student direction, with :math:`N` negatives
+:math:`J_i`,
 
 .. math::
     e^s_{ij} = \frac{\exp(v^{s\top}_i M^c_j / \tau)}{Z_s}, \qquad h^s_{ij} = \frac{e^s_{ij}}{e^s_{ij} + N / D},
+    \qquad
+    \mathcal L^s = -\frac{1}{|B|} \sum_{i \in B} \Big[\log h^s_{ii} + \sum_{j \in J_i} \log\big(1 - h^s_{ij}\big)\Big],
 
-with :math:`j = i` the positive and :math:`j \in J_i` the :math:`N` negatives, and the NCE loss of a batch
-:math:`B` (the empirical :math:`D_h` of Eq. 75) is
+the teacher direction :math:`\mathcal L^c` swaps the roles, the loss is :math:`\mathcal L^s + \mathcal L^c`, and then,
+without gradient, :math:`M_i \leftarrow \mathrm{normalise}(m M_i + (1 - m) v_i)` for :math:`i \in B` in both banks.
+:math:`Z` is estimated once on the first call and kept (buffer ``z``; ``normalize=False``: :math:`Z = 1`).
 
-.. math::
-    \mathcal L^s = -\frac{1}{|B|} \sum_{i \in B} \Big[\log h^s_{ii} + \sum_{j \in J_i} \log\big(1 - h^s_{ij}\big)\Big].
-
-The teacher direction :math:`\mathcal L^c` swaps the roles (:math:`v^c_i` against :math:`M^s`, its own
-:math:`Z_c`), the loss is :math:`\mathcal L^s + \mathcal L^c` (CRD sums both), and afterwards, without gradient,
-
-.. math::
-    M^s_i \leftarrow \frac{m M^s_i + (1 - m) v^s_i}{\lVert m M^s_i + (1 - m) v^s_i \rVert}, \qquad
-    M^c_i \leftarrow \frac{m M^c_i + (1 - m) v^c_i}{\lVert m M^c_i + (1 - m) v^c_i \rVert}, \qquad i \in B.
-
-:math:`Z` (``normalize=True``, CRD's default) is estimated once, on the first call, as
-:math:`D \cdot \mathrm{mean}_{i \in B,\, j \in \{i\} \cup J_i} \exp(\cdot / \tau)` per direction and then kept
-fixed (buffer ``z``, so checkpointed); ``normalize=False`` fixes :math:`Z = 1`.
-
-Choices (the paper gives none of :math:`\tau, N, d, m`; defaults are the authors' released code,
-github.com/zerui981105/AugFL, which takes CRD's):
-
-- Positive ("exact" mode of CRD): the sample's own bank row :math:`M_i`, read before this call's update, not the
-  other network's current embedding. During the first pass over the data the positives are the random initial rows.
-- Negatives: :math:`N` indices drawn uniformly **with replacement** from :math:`\{0..D-1\} \setminus \{i\}`, from
-  the caller's generator (deterministic given its seed). :math:`N > D - 1` is allowed and not clipped: the
-  authors run :math:`N = 16384` on :math:`D = 10000` server samples, and their sampler then draws with
-  replacement too. CRD's dataset draws negatives from the *other classes* only; here any other sample is a
-  negative, the paper's definition (:math:`(x_i, x_j)` negative iff :math:`i \ne j`).
-- Banks start uniform on the sphere (normalised Gaussian rows) and heads uniform in
-  :math:`\pm 1/\sqrt{\text{in}}` (``nn.Linear``'s bound), both from the constructor's generator; CRD starts its
-  banks uniform in a cube, unnormalised.
-- :math:`\log h = -\mathrm{softplus}(\log\frac{N}{D} - a)` and :math:`\log(1 - h) = -\mathrm{softplus}(a -
-  \log\frac{N}{D})` with :math:`a = \log e`: exact and stable, no :math:`\epsilon` (CRD adds 1e-7).
-- Scores are :math:`v M^\top` over all :math:`D` rows, then gathered: the same numbers as gathering
-  :math:`N + 1` rows per sample, in :math:`O(|B| D)` memory instead of :math:`O(|B| N d)` (1 GB at the defaults).
-- A batch must not repeat an index (the bank update would be ambiguous): a ``ValueError`` says so.
+The file owns the heads, the banks and :math:`Z` (all in the module's state, so checkpointed) and the loss. Defaults
+for :math:`\tau, N, d, m` (the paper gives none) are the authors' code's; the positives, the negatives drawn with
+replacement, the initialisation, the stable log forms and the memory layout are chosen as docs/augfl.md#crd-details
+states. A batch must not repeat an index (the bank update would be ambiguous): a ``ValueError`` says so.
 """
 
 from __future__ import annotations

@@ -1,54 +1,35 @@
 r"""Pairwise X-risk losses and the active-passive surrogates of FeDXL.
 
-Guo, Jin, Luo, Yang, "FeDXL: Provable Federated Learning for Deep X-Risk Optimization", ICML 2023.
-The deep X-risk objective (Eq. 1) over positives :math:`S_1` and negatives :math:`S_2` is
+Z. Guo, R. Jin, J. Luo, T. Yang, "FeDXL: Provable Federated Learning for Deep X-Risk Optimization", ICML 2023,
+arXiv:2210.14396. The deep X-risk objective (Eq. 1) over positives :math:`S_1` and negatives :math:`S_2`, with scores
+:math:`a = h(w, z)` of a positive and :math:`b = h(w, z')` of a negative, is
 
 .. math::
     F(w) = \frac{1}{|S_1|} \sum_{z \in S_1} f\Big(\underbrace{\frac{1}{|S_2|} \sum_{z' \in S_2}
-        \ell\big(h(w, z), h(w, z')\big)}_{g(w, z)}\Big),
+        \ell\big(h(w, z), h(w, z')\big)}_{g(w, z)}\Big).
 
-with scores :math:`a = h(w, z)` of a positive and :math:`b = h(w, z')` of a negative. The pairwise
-losses here are elementwise functions of broadcastable tensors ``a`` and ``b``; each comes with its two
-partial derivatives :math:`\nabla_1 \ell = \partial \ell / \partial a` (``*_d1``) and
-:math:`\nabla_2 \ell = \partial \ell / \partial b` (``*_d2``) in closed form:
-
-- PSM, pairwise sigmoid (Appendix B, used by FeDXL1 in Table 3): :math:`\ell = (1 + e^{a - b})^{-1}`.
-- Squared hinge: :math:`\ell = (m - (a - b))_+^2`.
-- KL-OPAUC inner loss (Eq. 17, used by FeDXL2 in Table 2) with outer :math:`f(u) = \lambda \log u`:
-  :math:`\ell = \exp\big((m - (a - b))_+^2 / \lambda\big)`. The paper prints
-  :math:`(h(w,z) + 1 - h(w,z'))_+`, a sign typo that would penalise positives for scoring high; the
-  form here is the one of Zhu et al. 2022 and of the authors' released code
-  (github.com/Optimization-AI/ICML2023_FeDXL).
-
-The surrogate builders implement the recipe that turns the estimators into one ``backward()``: every
-passive score (from last round's merged buffers) and every weight :math:`\nabla f(u)` is a detached
-constant, so the gradient of the surrogate is exactly :math:`G_1 + G_2`. FeDXL1 (Eq. 5-6):
+The pairwise losses (each with its partials ``*_d1``, ``*_d2`` in closed form): PSM :math:`\ell = (1 + e^{a - b})^{-1}`
+(FeDXL1, Table 3), squared hinge :math:`(m - (a - b))_+^2`, and KL-OPAUC's :math:`\exp((m - (a - b))_+^2 / \lambda)`
+with :math:`f(u) = \lambda \log u` (Eq. 17, FeDXL2, Table 2). The surrogates make one ``backward()`` give
+:math:`G_1 + G_2`, every passive score :math:`\tilde h` and weight :math:`\nabla f(u)` a detached constant. FeDXL1
+(Eq. 5-6) and FeDXL2 (Eq. 12-13, :math:`\mathrm{sg}` the stop-gradient), with the moving average of Eq. 11:
 
 .. math::
-    \mathcal L = \frac{1}{B_1 P_2} \sum_{s=1}^{B_1} \sum_{p=1}^{P_2} \ell(a_s, \tilde h^{(2)}_p)
-        + \frac{1}{P_1 B_2} \sum_{q=1}^{P_1} \sum_{t=1}^{B_2} \ell(\tilde h^{(1)}_q, b_t).
+    \mathcal L_1 = \frac{1}{B_1 P_2} \sum_{s,p} \ell(a_s, \tilde h^{(2)}_p)
+        + \frac{1}{P_1 B_2} \sum_{q,t} \ell(\tilde h^{(1)}_q, b_t),
 
-FeDXL2 (Eq. 12-13), with :math:`\mathrm{sg}` the stop-gradient:
-
-.. math::
-    \mathcal L = \frac{1}{B_1} \sum_s \mathrm{sg}\big[\nabla f(u_s)\big] \frac{1}{P_2} \sum_p
+    \mathcal L_2 = \frac{1}{B_1} \sum_s \mathrm{sg}\big[\nabla f(u_s)\big] \frac{1}{P_2} \sum_p
         \ell(a_s, \tilde h^{(2)}_p)
         + \frac{1}{P_1} \sum_q \mathrm{sg}\big[\nabla f(\tilde u_q)\big] \frac{1}{B_2} \sum_t
         \ell(\tilde h^{(1)}_q, b_t),
-
-and the moving average of the inner function per active positive (Eq. 11, Algorithm 2 line 14):
-
-.. math::
+    \qquad
     u_s \leftarrow (1 - \gamma)\, u_s + \gamma\, \frac{1}{P_2} \sum_p \ell(a_s, \tilde h^{(2)}_p).
 
-Symbols: ``a`` (:math:`B_1`) active positive scores, ``b`` (:math:`B_2`) active negative scores,
-``passive_pos`` (:math:`P_1`) and ``passive_neg`` (:math:`P_2`) passive scores :math:`\tilde h^{(1)},
-\tilde h^{(2)}`, ``u_active``/``u_passive`` the :math:`u` values aligned with ``a``/``passive_pos``,
-``lam`` (:math:`\lambda`), ``margin`` (:math:`m`), ``gamma`` (:math:`\gamma`).
-
-Deviations: every active sample is paired with every passive partner drawn at the step (the authors'
-released code) rather than one partner per sample (Alg. 1-2); :math:`\nabla f(u) = \lambda / u` keeps the
-:math:`\lambda` that the authors' code drops.
+Symbols: ``a``, ``b`` (:math:`B_1`, :math:`B_2`) active scores, ``passive_pos``, ``passive_neg`` (:math:`P_1`,
+:math:`P_2`) passive ones, ``u_active``/``u_passive`` aligned with ``a``/``passive_pos``, ``lam``, ``margin``,
+``gamma``. Deviations (docs/fedxl.md#objective-and-updates): the paper's sign typo in the KL-OPAUC loss is fixed as
+in the authors' code; every active sample meets every passive partner of the step; :math:`\nabla f(u) = \lambda / u`
+keeps the :math:`\lambda` the authors' code drops.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 r"""The width-scalable Transformer masked language model of HeteroFL and WHALE-FL (BERT-style, WikiText-2).
 
-Papers: E. Diao, J. Ding, V. Tarokh, "HeteroFL", ICLR 2021 (the Transformer's Scalers; "embedding and FFN hidden sizes
-scaled by rho, head count kept at 8"); H. Su et al., "WHALE-FL", 2024 (section "Datasets, Models, Parameters and
-Baselines": a Transformer on WikiText-2; the authors' released code github.com/BESTTOOLBOX/WHALE-FL: masked LM, mask
-rate 0.15, bptt 64, embedding 256, 8 heads, FFN 512, 4 layers, dropout 0.2); J. Devlin et al., "BERT", NAACL 2019 (the
-masked-LM objective, post-LN encoder, learned positions).
-
-**Net** (post-LN, as BERT and ``nn.TransformerEncoderLayer``'s default; token ids ``x`` of shape ``(B, L)``):
+Papers: E. Diao, J. Ding, V. Tarokh, "HeteroFL: Computation and Communication Efficient Federated Learning for
+Heterogeneous Clients", ICLR 2021, arXiv:2010.01264 (the Transformer's Scalers, head count kept); H. Su et al.,
+"WHALE-FL: Wireless and Heterogeneity Aware Latency Efficient Federated Learning over Mobile Devices via Adaptive
+Subnetwork Scheduling", arXiv:2405.00885 (a Transformer on WikiText-2; sizes from the authors' code: embedding 256, 8
+heads, FFN 512, 4 layers, dropout 0.2, bptt 64); J. Devlin et al., "BERT", NAACL 2019, arXiv:1810.04805 (the
+masked-LM objective, post-LN encoder, learned positions). Token ids ``x`` of shape ``(B, L)``:
 
 .. math::
     h_0 = \mathrm{drop}(\mathrm{LN}_0(S(E_{tok}[x] + E_{pos}[0..L-1])))                         \qquad (B, L, d)
@@ -18,47 +17,15 @@ masked-LM objective, post-LN encoder, learned positions).
 
     \mathrm{logits} = W^{dec} h_N + b^{dec}                                                        \qquad (B, L, V)
 
-with ``S`` HeteroFL's :class:`~flx.models.scalable.Scaler` (``a / rho`` in training) after the embedding sum and after
-every linear map inside a layer (q, k, v, the output projection, both FFN maps), where HeteroFL's code puts it; none
-on the decoder (as the CNN's head). ``MHA`` has ``heads`` heads over the inner dimension ``attn_dim`` (default ``d``),
-per-head dimension :math:`d_h = \mathrm{attn\_dim} / \mathrm{heads}`, scores
-:math:`\mathrm{softmax}(q_h k_h^\top / \sqrt{d_h})` over all positions (no causal mask: a bidirectional encoder), no
-dropout on the attention weights (HeteroFL's code has none). Weights are drawn as BERT's: linear and embedding weights
-:math:`\mathcal N(0, 0.02^2)`, biases 0, LayerNorm scale 1 and shift 0.
+    P = V_{in} d + L d + 2 d + N (4 d a + 2 d f + 3 a + f + 6 d) + d V + V   \qquad \text{(parameters)}
 
-**Vocabulary.** ``num_classes`` is the number of output words ``V`` (the decoder's rows); the input embedding has
-``vocab_size`` rows, by default ``V + 1``: the extra last id is ``<mask>``, which is read but never predicted
-(HeteroFL's ``Embedding(num_tokens + 1, d)``; :mod:`flx.datamodules.wikitext`). ``input_shape = (L,)``: ``L`` is
-``seq_len`` (bptt), the number of learned positions.
-
-**Channel groups** (:mod:`flx.models.width`): ``embed`` (``d``: the residual stream, which every layer reads and
-writes through its residual additions, so one index set; the embeddings' columns, every LayerNorm, the rows of each
-output projection and second FFN map, the columns of q, k, v, the first FFN map and the decoder), per layer
-``layer{j}.attn`` (``attn_dim``, in ``heads`` blocks: ``width_blocks``, so a sub-model keeps **every head** with
-:math:`k_h = \lceil \rho d_h \rceil` channels each, as HeteroFL's per-head slicing) and ``layer{j}.ffn`` (``ffn``).
-The vocabulary is unscaled: the embeddings' rows (``None``) and the decoder's rows (:data:`~flx.models.width.CLASSES`).
-
-**Masked full net = sub-model.** With the entries outside a sub-model's masks zeroed, two layers would still differ
-from the small net's, so ``set_width(rho, indices)`` tells them the kept channels:
-
-- :class:`MaskedLayerNorm` normalises over the kept channels :math:`A` of ``embed`` only (mean and variance over
-  :math:`|A| = k` channels, not ``d``) and outputs 0 elsewhere;
-- attention scales a head's scores by the sub-model's :math:`1 / \sqrt{k_h}` (``k_h`` = the kept channels of
-  ``layer{j}.attn`` divided by ``heads``), not :math:`1 / \sqrt{d_h}`.
-
-``set_width(1.0)`` (no indices) restores the full net. The tests check that the masked full net computes exactly what
-a ``ScalableTransformerLM`` of the sub-model's sizes (``embed = k``, ``attn_dim = heads * k_h``, ``ffn = k_f``) holding
-the extracted slices computes, with equal gradients on the slices, for every extractor.
-
-**Parameters** (``V_in`` = ``vocab_size``, ``V`` = ``num_classes``, ``a`` = ``attn_dim``, ``f`` = ``ffn``, ``N``
-layers):
-
-.. math::
-    P = V_{in} d + L d + 2 d + N (4 d a + 2 d f + 3 a + f + 6 d) + d V + V
-
-e.g. the paper's sizes (``d = a = 256``, ``f = 512``, ``N = 4``, ``L = 64``) on WikiText-2's 33,278 words (the
-standard word-level vocabulary with ``<eos>``, HeteroFL's ``num_tokens``; ``V_in`` = 33,279 with ``<mask>``):
-8,519,424 + 16,384 + 512 + 2,108,416 + 8,552,446 = **19,197,182**, of which the two vocabulary tables are 89%.
+with ``S`` HeteroFL's :class:`~flx.models.scalable.Scaler`, ``heads`` heads over ``attn_dim`` (``a``), ``f`` = ``ffn``,
+``V_in`` = ``vocab_size`` (default ``V + 1``: the last id is ``<mask>``, read, never predicted). The file owns the net,
+its channel groups for :mod:`flx.models.width` (``embed``, per layer ``layer{j}.attn`` in ``heads`` blocks and
+``layer{j}.ffn``) and the two layers that make a masked full net compute its sub-model exactly
+(:class:`MaskedLayerNorm` over the kept ``embed`` channels, scores scaled by the sub-model's :math:`1/\sqrt{k_h}`).
+Initialisation, the vocabulary, the Scalers' placement and the deviations from HeteroFL's code:
+docs/whale.md#the-transformer-masked-lm.
 """
 
 from __future__ import annotations

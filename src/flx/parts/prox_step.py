@@ -1,27 +1,20 @@
 r"""Proximal local steps (FedMiD) and federated dual averaging (FedDualAvg) for a nonsmooth regulariser ``h``.
 
-Yuan, Zaheer, Reddi, "Federated Composite Optimization", ICML 2021: Federated Mirror Descent (FedMiD) and Federated
-Dual Averaging (FedDualAvg), here with the Euclidean mirror map, so every mirror step is a prox step of
-:mod:`flx.regularizers` (the paper calls the regulariser :math:`\psi` and the mirror map :math:`h`; here ``h`` is
-the regulariser, as pFedFBE does, whose paper runs both as baselines "Fedmirror" and "FedDual", Sec. 4.1).
-Client :math:`i` takes :math:`K_i` steps of size :math:`\eta` (``algo.lr``), weight :math:`p_i`; the server step
-size is :math:`\eta_s` (``algo.server.lr``) and :math:`\bar K = \sum_i p_i K_i / \sum_i p_i`.
+H. Yuan, M. Zaheer, S. Reddi, "Federated Composite Optimization", ICML 2021, arXiv:2011.08474, with the Euclidean
+mirror map, so every mirror step is a prox step of :mod:`flx.regularizers` (the paper's regulariser :math:`\psi` is
+``h`` here, as in pFedFBE, whose paper runs both as baselines). Client :math:`i` takes :math:`K_i` steps of size
+:math:`\eta`, weight :math:`p_i`; the server step size is :math:`\eta_s` and :math:`\bar K = \sum_i p_i K_i / \sum_i
+p_i`.
 
-**FedMiD** (:class:`ProxStep`): proximal SGD on the clients, then the primal mean and a server prox step
+**FedMiD** (:class:`ProxStep`): proximal SGD on the clients, the primal mean, a server prox step (``server_prox``)
 
 .. math::
     w_{i,k+1} = \mathrm{prox}_{\eta h}\big(w_{i,k} - \eta \nabla f_i(w_{i,k}; \xi)\big), \qquad
     w^{t+1} = \mathrm{prox}_{\eta_s \eta \bar K h}\Big(w^t + \eta_s\,\big(\textstyle\sum_i p_i w_{i,K_i} / \sum_i p_i
     - w^t\big)\Big).
 
-The server prox (``server_prox=true``, the default) is the paper's server update
-:math:`x_{r+1} = \nabla(h + \eta_s\eta_c K\psi)^*(\nabla h(x_r) + \eta_s\Delta_r)` and what the authors' code does
-(``server_mirror`` with ``lr = server_lr * mean(client_lr * K)``); ``server_prox=false`` is the simpler
-reading "local proximal steps, then the server averages the primal models". Any server optimizer works: the prox is
-applied to its output, with :math:`\eta_s` its ``lr``.
-
-**FedDualAvg** (:class:`DualAveraging`): clients take gradient steps on a dual state :math:`z` and evaluate the
-gradient at its prox with the step size elapsed since the start; the server averages the duals
+**FedDualAvg** (:class:`DualAveraging`): gradient steps on a dual :math:`z`, evaluated at its prox; the server averages
+the duals
 
 .. math::
     x_{i,k} = \mathrm{prox}_{\tilde\eta_{t,k} h}(z_{i,k}), \quad
@@ -31,23 +24,11 @@ gradient at its prox with the step size elapsed since the start; the server aver
     z^{t+1} = z^t + \eta_s\big(\textstyle\sum_i p_i z_{i,K_i} / \sum_i p_i - z^t\big), \quad
     \tilde\eta_{t+1} = \tilde\eta_t + \eta_s \eta \bar K, \quad w^{t+1} = \mathrm{prox}_{\tilde\eta_{t+1} h}(z^{t+1}),
 
-from :math:`z^0 = w^0`, :math:`\tilde\eta_0 = 0` (so :math:`\tilde\eta_{t,k} = \eta_s\eta t K + \eta k` for a
-constant :math:`K`, the paper's effective step). The net holds the primal :math:`w^t` between rounds (what is
-evaluated and checkpointed); the part keeps :math:`z^t` and :math:`\tilde\eta_t` in its ``state_dict``. The upload
-is the dual: ``on_client_end`` writes :math:`z_{i,K_i}` into the net, the core averages it, ``on_server_step`` puts
-:math:`z^t` where the server optimizer reads the current model (``fed.global_params``), so the configured server
-optimizer steps the dual (FedAvgM / FedAdam on :math:`z`, as in the authors' code), and ``on_round_end`` keeps
-:math:`z^{t+1}` and writes :math:`w^{t+1}` into the net. List it last among the parts with ``on_server_step`` or
-``on_client_end`` (they would see duals). Clients keep no state between rounds.
-
-Choices the papers leave open: :math:`\bar K` is weighted by the aggregation weights (the authors' code weights it
-by sample counts; equal to :math:`K` unless ``algo.local_epochs`` is set), carried in the round's one all-reduce
-(``fed.register_stat``); a round in which no client was aggregated changes neither :math:`z` nor
-:math:`\tilde\eta`. FedDualAvg takes plain gradient steps on the dual: ``algo.momentum`` and ``algo.weight_decay``
-must be 0 (an :math:`\ell_2` term is ``elastic_net``'s ``mu2``); gradients that other parts transform in
-``on_local_grad`` (clipping, FedProx's term) are used as transformed. FedMiD applies its prox after whatever local
-optimizer step the core takes (momentum included). A part that replaces the local steps (``local_update``) skips
-both mechanisms' client side.
+from :math:`z^0 = w^0`, :math:`\tilde\eta_0 = 0`. The net holds the primal :math:`w^t` between rounds; the part keeps
+:math:`z^t` and :math:`\tilde\eta_t` in its ``state_dict``, uploads the dual and lets the server optimizer step it, so
+list it last among the parts with ``on_server_step`` or ``on_client_end``. How the dual travels through the hooks and
+the choices the papers leave open (how :math:`\bar K` is weighted, momentum, other parts' gradients):
+docs/pfedfbe.md#fedmid-and-feddualavg.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """q-FedAvg: the server step of q-Fair Federated Learning (q-FFL).
 
-Li, Sanjabi, Beirami, Smith, "Fair Resource Allocation in Federated Learning", ICLR 2020, Algorithm 2
-(q-FedAvg), for the objective :math:`\\min_w f_q(w) = \\sum_k \\frac{p_k}{q+1} F_k^{q+1}(w)` (Eq. 2). With
-:math:`w^t` the round's global model and :math:`w_k` client ``k``'s model after its local SGD (line 5):
+T. Li, M. Sanjabi, A. Beirami, V. Smith, "Fair Resource Allocation in Federated Learning", ICLR 2020,
+arXiv:1905.10497, Algorithm 2 (q-FedAvg), for :math:`\\min_w f_q(w) = \\sum_k \\frac{p_k}{q+1} F_k^{q+1}(w)` (Eq. 2).
+With :math:`w^t` the round's global model and :math:`w_k` client ``k``'s model after its local SGD (line 5):
 
 .. math::
     F_k = F_k(w^t), \\quad \\Delta w_k = L\\,(w^t - w_k), \\quad \\Delta_k = F_k^q\\,\\Delta w_k, \\quad
@@ -10,41 +10,17 @@ Li, Sanjabi, Beirami, Smith, "Fair Resource Allocation in Federated Learning", I
 
     w^{t+1} = w^t - \\frac{\\sum_{k \\in S_t} \\Delta_k}{\\sum_{k \\in S_t} h_k} \\quad (\\text{line 8})
 
-How it maps onto the round protocol (no change to it): a client's aggregation weight becomes
-:math:`a_k = F_k^q`, so the federation's weighted mean is :math:`\\bar w = \\sum a_k w_k / \\sum a_k`, and since
-:math:`\\sum_k \\Delta_k = L \\sum_k a_k\\,(w^t - \\bar w)`,
+On the round protocol, unchanged: a client's aggregation weight becomes :math:`a_k = F_k^q`, so the federation's mean
+is :math:`\\bar w = \\sum a_k w_k / \\sum a_k`, and
 
 .. math::
-    w^{t+1} = w^t + s\\,(\\bar w - w^t), \\qquad s = \\frac{L \\sum_k a_k}{\\sum_k h_k} \\in (0, 1]
-    \\quad (h_k \\ge L a_k).
+    w^{t+1} = w^t + s\\,(\\bar w - w^t), \\qquad s = \\frac{L \\sum_k a_k}{\\sum_k h_k} \\in (0, 1].
 
-``on_server_step`` moves the parameter entries of the mean to that point, so the default server optimizer
-(sgd, lr 1) lands on :math:`w^{t+1}` exactly; another server optimizer sees the pseudo-gradient
-:math:`\\sum \\Delta_k / \\sum h_k`. The federation multiplies every weight by one positive per-round scale, which
-cancels in :math:`\\bar w` (a ratio); ``s`` uses this part's own unscaled sums (2 numbers, a registered statistic in
-the model's dtype) that ride in the round's one all-reduce. ``q = 0`` gives :math:`a_k = 1, h_k = L, s = 1`: the
-uniform mean, i.e. FedAvg with ``weighting: uniform``.
-
-Choices the paper leaves open:
-
-- ``F_k`` is the mean loss over ALL the client's training samples (as the authors' code, not a minibatch): one
-  extra no-grad forward pass over the client's data per round, in chunks; ``fed.loss_fn`` must be a batch mean.
-- The net is in eval mode during that pass (then back in train mode): no dropout noise and no RNG draw, and
-  BatchNorm neither uses batch statistics nor updates its running statistics, so local training is exactly
-  FedAvg's. The pass runs under the precision context of the local steps.
-- Float buffers (BatchNorm running statistics) are not iterates of the update: they keep the
-  :math:`F_k^q`-weighted mean :math:`\\bar w` and are not moved by ``s``.
-- ``L`` (``lipschitz``) defaults to :math:`1/\\eta` (``algo.lr``), as in the paper's experiments and code.
-- The paper draws :math:`S_t` with probabilities :math:`p_k`; its code, and the federation's default, draw
-  uniformly without replacement (so ``weighting`` plays no part: this part replaces the weight). A client drawn
-  several times by a sampling part counts once per draw in both sums.
-- The authors' code adds ``1e-10`` to ``F_k``; here ``F_k`` is used as is: the term
-  :math:`q F_k^{q-1} \\lVert \\Delta w_k \\rVert^2` is 0 when ``q = 0`` or :math:`\\Delta w_k = 0` (no 0 * inf), a
-  negative or non-finite ``F_k`` stops the run, and so does a round with :math:`\\sum h_k \\notin (0, \\infty)`. If
-  every sampled client has ``F_k = 0`` with ``q > 0``, all weights are 0 and the federation's mean itself raises.
-
-State lives for one round only (the two sums, zeroed by the federation at each round start, and each client's
-``F_k``): nothing to checkpoint, so ``state_dict`` is Lightning's empty default.
+The part owns ``F_k`` (one no-grad pass over the client's training rows, in eval mode), the weight :math:`a_k`, the
+two sums behind ``s`` (a registered statistic in the round's one all-reduce) and the move to :math:`w^{t+1}` in
+``on_server_step``; ``q = 0`` is FedAvg with uniform weights. ``L`` (``lipschitz``) defaults to :math:`1/\\eta`. The
+choices the paper leaves open (``F_k`` on all rows, BatchNorm buffers, sampling, no ``1e-10``, what stops a run):
+docs/drfa.md#q-fedavg. State lives for one round only: nothing to checkpoint.
 """
 
 from __future__ import annotations
