@@ -136,8 +136,7 @@ def fbe_objective(fed: FederationView, lam: float, reg: Regularizer | None = Non
             rows = fed.data.client_indices[cid]
             if len(rows):
                 out[cid] = fbe_value(fed, rows, lam, reg).detach()
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            out = fed.reduce_sum(out)
+        fed.all_reduce_(out)
         return float(out.mean())
 
 

@@ -67,8 +67,7 @@ def personal_terms(fed: FederationView, h: Regularizer) -> Tensor:
                 if own:
                     value = h.value([p.detach() for p in fed.params]).double()
                     out[cid] = torch.stack([fed.eval_loss_tensor(rows), value, value.new_ones(())])
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            out = fed.reduce_sum(out)
+        fed.all_reduce_(out)
         return out.cpu()
 
 
