@@ -288,7 +288,7 @@ class LambdaSampling(FederatedCallback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:
+        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:  # type: ignore[attr-defined]  # set in Trainer.__init__, not declared
             lambda_report.write_history(trainer, self.history)
 
     @override

@@ -55,7 +55,7 @@ class Prox(FederatedCallback):
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.mu == 0.0:
             return
-        grads = [p.grad for p in fed.params]
+        grads = [p.grad for p in fed.params if p.grad is not None]  # every one: after the step's backward
         torch._foreach_add_(grads, torch._foreach_sub(fed.params, fed.global_params), alpha=self.params.mu)
 
     @override
@@ -63,5 +63,5 @@ class Prox(FederatedCallback):
     def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         if self.params.mu == 0.0:
             return
-        for g, w, w_t in zip(cohort.grads, cohort.params, fed.global_params):
+        for g, w, w_t in zip(cohort.grads or (), cohort.params, fed.global_params):  # grads: set at on_cohort_grad
             g.add_(w - w_t, alpha=self.params.mu)  # w: (m, ...), w^t broadcast over the clients

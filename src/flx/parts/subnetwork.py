@@ -301,7 +301,7 @@ class Subnetwork(FederatedCallback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``whale.json`` and, with W&B, the history table and the Fisher trace (:func:`report.write_history`)."""
-        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:
+        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:  # type: ignore[attr-defined]  # set in Trainer.__init__, not declared
             system = self._fed.system if self._fed is not None else None
             report.write_history(trainer, self.history, system, self.params.s)
 
