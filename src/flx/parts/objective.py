@@ -131,7 +131,7 @@ class Objective(FederatedCallback):
         h_w = float(self.h.value([p.detach().double() for p in fed.params]))
         personal, h_j = personal_objective(fed, self.h, f, h_w)
         values = {"train/h": h_w, "train/objective": float(f.mean()) + h_w, "train/personal_objective": personal}
-        dm = trainer.datamodule  # type: ignore[attr-defined]  # Lightning's Trainer sets it at fit; not declared
+        dm = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         for split in dict.fromkeys(loader.split for loader in dm.eval_plan(stage)):
             if dm.has_client_rows(split):
                 data = dm.client_eval_data(split).to(fed.params[0].device, fed.params[0].dtype)

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.local_sgd import grads_of
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView
@@ -55,7 +56,7 @@ class Prox(FederatedCallback):
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.mu == 0.0:
             return
-        grads = [p.grad for p in fed.params if p.grad is not None]  # every one: after the step's backward
+        grads = grads_of(fed.params)
         torch._foreach_add_(grads, torch._foreach_sub(fed.params, fed.global_params), alpha=self.params.mu)
 
     @override
