@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytest.importorskip("mypy", reason="mypy is in the [dev] extra: pip install -e '.[dev]'")
+# each test runs mypy in a subprocess (about 30 s without its cache, .mypy_cache)
+pytestmark = pytest.mark.slow
 
 
 def mypy(*args: str) -> subprocess.CompletedProcess[str]:

@@ -4,6 +4,8 @@
   (what ``check_federation`` sees); :class:`Round`: one round's plan and accumulators;
   :class:`ClientContext`: one client's scope; :class:`Cohort`: stacked clients (``algo.vectorize``);
   :class:`ClientData`: the client store.
+- :class:`RoundFaults`: a round's left-out clients (``fed.faults``); :class:`Part`: a part as ``fed.parts`` hands it
+  out.
 - :class:`FederationView`: the ``fed`` every hook receives, exactly the helpers of docs/round_protocol.md ("Core
   helpers for parts"); :class:`Core`: what the client runners (:mod:`flx.clients`) use besides.
 
@@ -288,8 +290,9 @@ class RoundFaults:
 class Part(Protocol):
     """A part as the door hands it out (``fed.parts``, ``fed.parts_with``): the hooks that the client runners and the
     evaluation call on it directly (the first-answer hooks go through :func:`flx.hooks.first_answer`).
-    :class:`flx.hooks.FederatedCallback` is one; the hooks' own module imports this one, so this Protocol names
-    them without importing it (``tests/test_imports.py``: no circle, not even for annotations)."""
+    :class:`flx.hooks.FederatedCallback` is one (``tests/test_types.py`` asks mypy); :mod:`flx.hooks` imports this
+    module, so the door names its parts by this Protocol rather than import it (``tests/test_imports.py``: no circle,
+    not even for annotations)."""
 
     def on_client_start(self, fed: FederationView, client: ClientContext) -> None: ...
 
