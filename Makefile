@@ -39,8 +39,10 @@ gpu-wheels:
 	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w .whl antlr4-python3-runtime==4.9.3
 	ls -s .whl
 
+# ruff, then mypy over the parts' door and what runs behind it ([tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts train.py
+	$(BIN)/python -m mypy
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

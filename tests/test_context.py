@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import linear, make_fed, run_rounds, toy_data
 
 from flx.context import Core, FederationView, Round
@@ -144,3 +145,32 @@ def test_round_width_is_checked_by_the_simulator() -> None:
         rnd.set_width(2, 0.5)
     with pytest.raises(AttributeError, match="planned"):
         rnd.round = 4
+
+
+def test_no_part_reaches_the_federation_through_the_module() -> None:
+    """A part gets the federation as the ``fed`` of its hooks (a part that needs it in a Lightning hook keeps the one
+    of ``on_attach``), never as ``pl_module.federation``."""
+    reaching = [path.name for path in PARTS if "pl_module.federation" in path.read_text()]
+    assert not reaching, reaching
+
+
+def test_all_reduce_is_the_identity_on_one_process() -> None:
+    """``fed.all_reduce_(t)`` sums ``t`` over the processes in place; on one process ``t`` comes back as it was, the
+    same tensor, and the process group's reduce is never called."""
+    calls: list[torch.Tensor] = []
+
+    def reduce_sum(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x)
+        return x
+
+    fed = make_fed(linear(), toy_data([5, 6]), reduce_sum=reduce_sum, clients_per_round=2)
+    t = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float64)
+    assert fed.all_reduce_(t) is t and t.tolist() == [1.5, -2.0, 3.25] and t.dtype == torch.float64 and not calls
+
+
+def test_all_reduce_sums_in_place_with_the_process_groups_reduce() -> None:
+    """With ``world_size > 1`` the process group's sum lands in ``t`` itself, in its dtype (two ranks mocked: the
+    other rank holds the same values)."""
+    fed = make_fed(linear(), toy_data([5, 6]), world_size=2, reduce_sum=lambda x: 2 * x, clients_per_round=2)
+    t = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    assert fed.all_reduce_(t) is t and t.tolist() == [3.0, -4.0] and t.dtype == torch.float64

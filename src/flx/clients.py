@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from flx.context import ClientContext, Core
+from flx.context import ClientContext, Core, Round
 from flx.faults import all_finite
 from flx.hooks import STEP_HOOKS, first_answer
 from flx.local_sgd import clear_grads, is_plain_sgd, minibatches, sgd_step
@@ -43,7 +43,7 @@ class ClientRunner:
     def make_client(self, cid: int) -> ClientContext:
         """The next local run of ``cid`` on this rank: its weight, seeded streams and stored state."""
         fed = self.fed
-        rnd, cfg = fed.rnd, fed.cfg
+        rnd, cfg = self.round, fed.cfg
         copy = rnd.next_copy(cid)
         draws = 1 if cfg.duplicates == "repeat" else rnd.draws[cid]
         # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
@@ -98,29 +98,40 @@ class ClientRunner:
         (``fed.buffer``), the stored state; ``client`` None: skipped for too few rows. Returns ``loss``, or None for a
         client left out."""
         fed = self.fed
-        if client is None:
-            return self._leave_out(cid, "skipped")
+        if client is None or loss is None:  # the runners pass both None for a client without enough rows
+            self._leave_out(cid, "skipped")
+            return None
         # checked before on_client_end, so parts do not record a faulty client's statistics (scores, losses), and
         # after it when parts may have changed the upload
         if not all_finite([*fed.local_state, loss]):
-            return self._leave_out(cid, "dropped")
+            self._leave_out(cid, "dropped")
+            return None
         ends = fed.parts_with("on_client_end")
         for part in ends:
             part.on_client_end(fed, client)
         if ends and not all_finite(fed.local_state):
-            return self._leave_out(cid, "dropped")
+            self._leave_out(cid, "dropped")
+            return None
         fed.buffer.add(fed.local_state, client.weight, client.masks, loss)
         if client.state:
             fed.store.put(cid, client.state)
             if fed.world_size > 1:  # for the all-gather at the round end (one process holds no second copy)
-                fed.rnd.state_updates[cid] = client.state
+                self.round.state_updates[cid] = client.state
             fed.buffer.count("stored")
         return loss
 
     def _leave_out(self, cid: int, why: str) -> None:
         """Leaves a client out of the round's aggregate and state updates; counted in the round's collective."""
-        self.fed.rnd.left_out[why].append(cid)
+        self.round.left_out[why].append(cid)
         self.fed.buffer.count(why)
+
+    @property
+    def round(self) -> Round:
+        """The round the clients train in (``fed.rnd``: set by ``begin_round`` before any client trains)."""
+        rnd = self.fed.rnd
+        if rnd is None:
+            raise RuntimeError("clients train inside a round: Federation.begin_round comes first")
+        return rnd
 
     def local_update(self, client: ClientContext) -> Tensor:
         """The client's local update: a part's ``local_update``, else ``K`` SGD steps. Returns the mean loss."""

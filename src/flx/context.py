@@ -4,6 +4,8 @@
   (its settings, store and simulator); :class:`Round`: one round's plan and accumulators;
   :class:`ClientContext`: one client's scope; :class:`Cohort`: stacked clients (``algo.vectorize``);
   :class:`ClientData`: the client store.
+- :class:`RoundFaults`: a round's left-out clients (``fed.faults``); :class:`Part`: a part as ``fed.parts`` hands it
+  out.
 - :class:`FederationView`: the ``fed`` every hook receives, exactly the helpers of docs/round_protocol.md ("Core
   helpers for parts"); :class:`Core`: what the client runners (:mod:`flx.clients`) use besides.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +27,15 @@ from torch import Tensor, nn
 from flx.server import ServerOptConfig
 from flx.state import ClientStateStore
 from flx.systems.simulator import LatencySimulator
+
+if TYPE_CHECKING:  # annotations only: none of these imports flx.context
+    from flx.aggregation import Aggregator
+    from flx.datamodules.client_eval import ClientRows
+    from flx.resources import ServerResources
+    from flx.round_buffer import RoundBuffer
+    from flx.systems.clock import SimClock
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -271,17 +282,59 @@ class ClientData:
         return rows[~torch.isin(rows, self.support_rows(cid))]
 
 
+@dataclass(frozen=True)
+class RoundFaults:
+    """What the round left out, identical on every rank: ``dropped`` (non-finite loss or update) and ``skipped``
+    (no usable rows) client ids (``fed.faults``; :func:`flx.faults.judge` makes it)."""
+
+    dropped: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+
+
+class Part(Protocol):
+    """A part as the door hands it out (``fed.parts``, ``fed.parts_with``): the hooks that the client runners and the
+    evaluation call on it directly (the first-answer hooks go through :func:`flx.hooks.first_answer`).
+    :class:`flx.hooks.FederatedCallback` is one (``tests/test_types.py`` asks mypy); :mod:`flx.hooks` imports this
+    module, so the door names its parts by this Protocol rather than import it (``tests/test_imports.py``: no circle,
+    not even for annotations)."""
+
+    def on_client_start(self, fed: FederationView, client: ClientContext) -> None: ...
+
+    def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor: ...
+
+    def on_local_grad(self, fed: FederationView, client: ClientContext) -> None: ...
+
+    def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None: ...
+
+    def on_client_end(self, fed: FederationView, client: ClientContext) -> None: ...
+
+    def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None: ...
+
+    def on_cohort_step_end(self, fed: FederationView, cohort: Cohort) -> None: ...
+
+    def personalize(self, fed: FederationView, cid: int) -> AbstractContextManager[object] | None: ...
+
+
+class Gather(Protocol):
+    """The process group's all-gather of a picklable object: every rank's, in rank order."""
+
+    def __call__(self, obj: T, /) -> list[T]: ...
+
+
 class FederationView(Protocol):
     """The federation as parts see it: the ``fed`` of every hook. Its members are the table "Core helpers for parts"
-    of docs/round_protocol.md, and nothing else; ``tests/test_context.py`` fails when a part uses another."""
+    of docs/round_protocol.md, and nothing else; ``tests/test_context.py`` fails when a part uses another, and mypy
+    (``make lint``, ``tests/test_types.py``) when one uses a member as another type."""
 
     # settings, the round, the parts
     cfg: FederationConfig
     rnd: Round | None  # the current round (the last one trained between rounds); None before the first
-    faults: Any  # the last round's left-out clients (flx.faults.RoundFaults: dropped, skipped)
-    parts: list[Any]  # every part, in algo.parts order
+    faults: RoundFaults  # the last round's left-out clients
 
-    def parts_with(self, hook: str) -> list[Any]: ...
+    @property
+    def parts(self) -> Sequence[Part]: ...  # every part, in algo.parts order
+
+    def parts_with(self, hook: str) -> Sequence[Part]: ...
 
     # the model
     net: nn.Module
@@ -292,7 +345,7 @@ class FederationView(Protocol):
     global_state: list[Tensor]  # the round-start snapshot of local_state (global_params, then the float buffers')
     local_opt: torch.optim.SGD  # the sequential steps' optimizer (a part may set its groups' lr per round)
     loss_fn: Callable[[Tensor, Tensor], Tensor]
-    step_context: Callable[[], AbstractContextManager]
+    step_context: Callable[[], AbstractContextManager[object]]
 
     # the data
     data: ClientData
@@ -314,7 +367,12 @@ class FederationView(Protocol):
     def value_and_grad_at(self, params: Sequence[Tensor], rows: Tensor) -> tuple[Tensor, list[Tensor]]: ...
 
     def hvp(
-        self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Sequence[Tensor] | None = None, **kw: Any
+        self,
+        v: Sequence[Tensor],
+        rows: Tensor,
+        mode: str = "exact",
+        params: Sequence[Tensor] | None = None,
+        eps: float | Tensor | None = None,
     ) -> list[Tensor]: ...
 
     def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float: ...
@@ -324,9 +382,8 @@ class FederationView(Protocol):
     # statistics and collectives
     rank: int
     world_size: int
-    reduce_sum: Callable[[Tensor], Any] | None
-    gather: Callable[[Any], list[Any]] | None
-    aggregator: Any  # flx.aggregation: total_weight, the round's weight sum
+    gather: Gather | None  # only called when world_size > 1
+    aggregator: Aggregator  # total_weight: the round's weight sum
 
     def register_stat(self, name: str, like: Tensor | Sequence[Tensor]) -> None: ...
 
@@ -337,20 +394,22 @@ class FederationView(Protocol):
 
     def update_norm(self, step: int) -> float | None: ...  # server step's ||mean - w^t||, before on_server_step
 
-    def broadcast(self, obj: Any) -> Any: ...
+    def all_reduce_(self, t: Tensor) -> Tensor: ...  # in place: the sum over the processes (one process: t as is)
 
-    def on_server(self, fn: Callable[[], Any]) -> Any: ...
+    def broadcast(self, obj: T) -> T: ...
+
+    def on_server(self, fn: Callable[[], T]) -> T: ...
 
     # personalised evaluation
     def personalize(self, cid: int) -> AbstractContextManager[None]: ...
 
-    def evaluate_clients(self, data: Any, metric: Callable[[Tensor, Tensor], Tensor]) -> Tensor: ...
+    def evaluate_clients(self, data: ClientRows, metric: Callable[[Tensor, Tensor], Tensor]) -> Tensor: ...
 
     # the system, the state
-    system: Any  # flx.systems.simulator.LatencySimulator, or None
-    clock: Any  # flx.systems.clock.SimClock, or None
-    store: Any  # flx.state.ClientStateStore: per-client state
-    resources: Any  # flx.resources.ServerResources, or None
+    system: LatencySimulator | None
+    clock: SimClock | None  # the simulated clock (with a system)
+    store: ClientStateStore  # per-client state
+    resources: ServerResources | None  # rows no client sees, frozen models
 
 
 class Core(FederationView, Protocol):
@@ -359,6 +418,6 @@ class Core(FederationView, Protocol):
     (:class:`flx.round_buffer.RoundBuffer`) a client's end adds to."""
 
     min_rows: int
-    buffer: Any
+    buffer: RoundBuffer
 
     def load_global(self) -> None: ...

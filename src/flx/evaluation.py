@@ -81,8 +81,7 @@ def evaluate_clients(
     for cid, total in global_sums(fed, data.x, data.y, data.rows, shared, metric, batch_rows).items():
         sums[cid] = [total, float(len(data.rows[cid]))]
     out = torch.tensor(sums, dtype=torch.float64, device=fed.params[0].device)
-    if fed.world_size > 1 and fed.reduce_sum is not None:
-        out = fed.reduce_sum(out)
+    fed.all_reduce_(out)
     return torch.where(out[:, 1] > 0, out[:, 0] / out[:, 1].clamp_min(1), torch.nan).cpu()
 
 

@@ -21,14 +21,12 @@ import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from flx.context import FederationConfig
+from flx.context import FederationConfig, RoundFaults  # RoundFaults: fed.faults's type, the door's (flx.context)
 
 
 class RunFailure(RuntimeError):
@@ -41,15 +39,6 @@ class Diverged(RunFailure):
 
 class ClientFault(RunFailure):
     """A client's loss or update is not finite and ``fault.policy=stop``."""
-
-
-@dataclass(frozen=True)
-class RoundFaults:
-    """What the round left out, identical on every rank: ``dropped`` (non-finite loss or update) and ``skipped``
-    (no usable rows) client ids."""
-
-    dropped: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
 
 
 _SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # others sum in their own dtype

@@ -60,7 +60,7 @@ import numpy as np
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 
-from flx.context import ClientContext, ClientData, Cohort, FederationConfig, FederationView, Round
+from flx.context import ClientContext, ClientData, Cohort, FederationConfig, FederationView, Part, Round
 from flx.traits import PartTraits
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ class RoundRefused(Exception):
     status = 4
 
 
-def first_answer(parts: Iterable[FederatedCallback], hook: str, *args: Any) -> Any:
+def first_answer(parts: Iterable[Part], hook: str, *args: Any) -> Any:
     """The first non-None answer of ``parts`` (in part order) to ``hook(*args)``, or None if none answers; the later
     parts are not asked. The rule of the hooks one part answers for all (``sample_clients``, ``local_update``,
     ``sample_batch``, ``local_grad``, ``cohort_grad``)."""

@@ -15,7 +15,7 @@ gather per step: see there).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +33,17 @@ def is_plain_sgd(opt: torch.optim.Optimizer) -> bool:
         and not any(p.is_complex() for p in g["params"])
         for g in opt.param_groups
     )
+
+
+def grads_of(params: Sequence[Tensor]) -> list[Tensor]:
+    """The ``.grad`` of each of ``params`` after the step's backward, for the ``torch._foreach_*`` gradient transforms;
+    a parameter without one (the loss does not reach it) raises, as those transforms would."""
+    grads = []
+    for i, p in enumerate(params):
+        if p.grad is None:
+            raise RuntimeError(f"parameter {i} has no gradient: the step's loss does not reach it")
+        grads.append(p.grad)
+    return grads
 
 
 def clear_grads(opt: torch.optim.Optimizer) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from flx.aggregation import ReduceFn
 from flx.context import ClientContext, ClientData, FederationConfig, Round
 from flx.datamodules.ragged import Ragged
 from flx.probe import LossProbe
@@ -36,6 +37,7 @@ class PartServices:
     """
 
     rnd: Round | None
+    reduce_sum: ReduceFn | None  # the process group's all-reduce (sum), set by the federation
 
     def __init__(
         self,
@@ -109,6 +111,13 @@ class PartServices:
         """The round's mean local training loss over the aggregated clients of every rank (after the reduce)."""
         return self.buffer.train_loss
 
+    def all_reduce_(self, t: Tensor) -> Tensor:
+        """``t`` summed over the processes, in place (the process group's all-reduce, same dtype and device); returns
+        ``t``. On one process, ``t`` as it is."""
+        if self.world_size > 1 and self.reduce_sum is not None:
+            t.copy_(self.reduce_sum(t))
+        return t
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (pickled through the process group; identity on one process)."""
         return obj if self.world_size == 1 or self._broadcast is None else self._broadcast(obj)
@@ -133,10 +142,16 @@ class PartServices:
         return self.probe.value_and_grad_at(params, rows)
 
     def hvp(
-        self, v: Sequence[Tensor], rows: Tensor, mode: str = "exact", params: Any = None, **kw: Any
+        self,
+        v: Sequence[Tensor],
+        rows: Tensor,
+        mode: str = "exact",
+        params: Sequence[Tensor] | None = None,
+        eps: float | Tensor | None = None,
     ) -> list[Tensor]:
-        """``H(params) v`` on ``rows``, ``mode`` exact / fd / none (:meth:`flx.probe.LossProbe.hvp`)."""
-        return self.probe.hvp(v, rows, mode, params, **kw)
+        """``H(params) v`` on ``rows``, ``mode`` exact / fd / none, ``eps`` the fd step
+        (:meth:`flx.probe.LossProbe.hvp`)."""
+        return self.probe.hvp(v, rows, mode, params, eps=eps)
 
     def eval_loss(self, rows: Tensor, chunk: int = 4096) -> float:
         """The net's mean loss on ``rows`` in eval mode, no RNG drawn (:meth:`flx.probe.LossProbe.eval_loss`)."""

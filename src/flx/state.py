@@ -347,7 +347,7 @@ class GlobalModel:
     """
 
     def __init__(self, net: nn.Module) -> None:
-        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.params: list[Tensor] = [p for p in net.parameters() if p.requires_grad]
         buffers = list(net.buffers())
         self.float_buffers = [b for b in buffers if b.is_floating_point()]
         self.other_buffers = [b for b in buffers if not b.is_floating_point()]

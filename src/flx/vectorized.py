@@ -51,6 +51,9 @@ ROWWISE = (
     nn.Sequential, nn.Linear, nn.Flatten, nn.Identity, nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU,
     nn.ELU, nn.Softplus, nn.Dropout,
 )  # fmt: skip
+# the stacked forward: the clients' outputs (m, B, ...), or with unequal batch sizes a list of their (B_i, ...)
+Outputs = Tensor | list[Tensor]
+Forward = Callable[[list[Tensor], Tensor, list[int]], Outputs]
 
 
 def check(net: nn.Module, parts: Sequence[FederatedCallback] = ()) -> None:
@@ -90,21 +93,21 @@ class Stacked(ClientRunner):
                 part.on_client_start(fed, client)
             runs.append((cid, client))
         groups: dict[int, list[int]] = {}
-        for j, (_, client) in enumerate(runs):
-            if client is not None:
-                groups.setdefault(client.num_steps, []).append(j)
+        for j, (_, run) in enumerate(runs):
+            if run is not None:
+                groups.setdefault(run.num_steps, []).append(j)
         trained: dict[int, tuple[list[Tensor], Tensor]] = {}
         for members in groups.values():
-            params, losses = self._train_group([runs[j][1] for j in members])
+            params, losses = self._train_group([c for j in members if (c := runs[j][1]) is not None])
             trained.update({j: ([p[i] for p in params], losses[i]) for i, j in enumerate(members)})
-        for j, (cid, client) in enumerate(runs):
-            if client is None:
+        for j, (cid, run) in enumerate(runs):
+            if run is None:
                 self.collect(cid, None, None)
             else:
                 local, loss = trained[j]
                 with torch.no_grad():
                     torch._foreach_copy_(fed.params, local)
-                self.collect(cid, client, loss)
+                self.collect(cid, run, loss)
             if after is not None:
                 after(cid)
 
@@ -138,6 +141,7 @@ class Stacked(ClientRunner):
                 rows = cohort.rows = _padded(own, max(cohort.sizes))  # (m, B)
                 ruled = first_answer(rules, "cohort_grad", fed, cohort)  # a part's own gradients (local DP-SGD)
                 # (a part's gradients come shaped like params; the leaves take their transposed views)
+                grads: Sequence[Tensor]
                 if ruled is None:
                     out = forward(leaves, fed.data.x[rows], cohort.sizes)
                     loss = _cohort_loss(fed, clients, own, rows, out)
@@ -171,7 +175,7 @@ def _stack(w: Tensor, m: int) -> Tensor:
     return out
 
 
-def _cohort_loss(fed: Core, clients: list[ClientContext], own: list[Tensor], rows: Tensor, out: Tensor) -> Tensor:
+def _cohort_loss(fed: Core, clients: list[ClientContext], own: list[Tensor], rows: Tensor, out: Outputs) -> Tensor:
     """The clients' losses at this step, ``(m,)``, without ``local_loss`` parts in as few calls as the task allows:
     with a task's per-row loss (``loss_rows``, e.g. cross-entropy), one call on the whole stack, each client's mean over
     its own rows (padding left out); else the task's loss ``vmap``-ed over the clients of each batch size. Per client
@@ -249,7 +253,7 @@ def _rowwise(mod: nn.Module) -> bool:
     return isinstance(mod, ROWWISE) or getattr(type(mod), "rowwise", False)
 
 
-def _folded(fed: Core, m: int) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
+def _folded(fed: Core, m: int) -> Forward:
     """The cohort folded into the batch: ``x`` ``(m, B, ...)`` runs as ``(m B, ...)`` through the net, each linear
     layer a batched matrix product of client ``i``'s rows with client ``i``'s weights, given transposed,
     ``(m, in, out)``; returns ``(m, B, ...)``. Rows are mapped on their own, so padding rows change nothing."""
@@ -264,7 +268,7 @@ def _folded(fed: Core, m: int) -> Callable[[list[Tensor], Tensor, list[int]], Te
     return forward
 
 
-def _vmapped(fed: Core) -> Callable[[list[Tensor], Tensor, list[int]], Tensor]:
+def _vmapped(fed: Core) -> Forward:
     """Any net: the forward ``vmap``-ed over the clients' parameters and rows; clients whose batches are shorter than
     the step's longest run as sub-stacks of their own size (the net may mix rows: no padding goes through it).
     Returns ``(m, B, ...)``, or with unequal sizes a list of the clients' ``(B_i, ...)`` outputs."""
@@ -298,7 +302,9 @@ class _StackedLinear(TorchFunctionMode):
         super().__init__()
         self.m = m
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(
+        self, func: Callable[..., Tensor], types: object, args: tuple[Tensor, ...] = (), kwargs: dict | None = None
+    ) -> Tensor:
         kwargs = kwargs or {}
         if func is F.linear and args[1].dim() == 3:
             x, w = args[0], args[1]

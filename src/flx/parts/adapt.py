@@ -97,7 +97,7 @@ class Adapt(FederatedCallback):
         fed.net.train()
         phi = [q.detach() for q in fed.params]
         for _ in range(self._steps):
-            phi = torch._foreach_add(phi, fed.grad_at(phi, rows), alpha=-self.params.lr)
+            phi = list(torch._foreach_add(phi, fed.grad_at(phi, rows), alpha=-self.params.lr))
         fed.net.train(was_training)
         with torch.no_grad():
             torch._foreach_copy_(fed.params, phi)

@@ -31,7 +31,7 @@ accounted. ``privacy/epsilon`` (at ``privacy.delta``) is logged every round and 
 spend it; with both, ``target_epsilon`` is a budget and the run stops before a round that would exceed it.
 
 What this covers: the global model. Parts that upload more than the model update (scores, losses, Fisher values,
-duals, personal models) are refused at start, naming the channel (``FederatedCallback.uploads``).
+duals, personal models) are refused at start, naming the channel (``PartTraits.uploads``, :mod:`flx.composition`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class CentralDP(Budgeted):
     )
 
     def __init__(self, **params: Any) -> None:
-        self.params = p = PrivacyParams(**params)
+        self.params: PrivacyParams = PrivacyParams(**params)
+        p = self.params
         p.check("a client's update")
         if not 0 < p.target_quantile < 1:
             raise bad_value("privacy.target_quantile", p.target_quantile, "in (0, 1)")
@@ -117,7 +118,7 @@ class CentralDP(Budgeted):
         p = self.params
         mechanism = privacy.Mechanism(p.sampling, 1.0, num_clients, cohort)
         if self.sigma is None:
-            self.sigma = privacy.calibrate(p.target_epsilon, mechanism, rounds, p.delta, p.accountant)
+            self.sigma = privacy.calibrate(p.budget(), mechanism, rounds, p.delta, p.accountant)
         self.mechanism = dataclasses.replace(mechanism, noise_multiplier=float(self.sigma))
         privacy.accounted(self.mechanism, rounds, p.delta, p.accountant)  # the ledger's last ask, before any write
         if p.adaptive:
@@ -126,17 +127,31 @@ class CentralDP(Budgeted):
             except ValueError as e:
                 raise ConfigError(str(e)) from None
 
+    @property
+    def _mech(self) -> privacy.Mechanism:
+        """The round's mechanism, once :meth:`_setup` made it (at ``check``)."""
+        if self.mechanism is None:
+            raise RuntimeError("CentralDP: the mechanism is made at check (flx.composition.check)")
+        return self.mechanism
+
+    @property
+    def _sigma(self) -> float:
+        """:math:`\\sigma`, given or calibrated by :meth:`_setup`."""
+        if self.sigma is None:
+            raise RuntimeError("CentralDP: sigma is calibrated at check (flx.composition.check)")
+        return self.sigma
+
     def _count_noise(self) -> float:
         """:math:`\\sigma_b`: ``privacy.count_noise``, default :math:`\\max(\\bar m / 20, \\sigma)`. Andrew et al.
         (2021, Sec. 4) take :math:`\\bar m / 20` for cohorts of hundreds; Theorem 1 needs :math:`2\\sigma_b > \\sigma`,
         which a small cohort's :math:`\\bar m / 20` misses for any :math:`\\sigma` above it, so the default is at least
         :math:`\\sigma`, where the update's noise grows by :math:`(1 - 1/4)^{-1/2} \\approx 1.155` at most."""
         p = self.params
-        return float(p.count_noise) if p.count_noise is not None else max(self.mechanism.cohort / 20, self.sigma)
+        return float(p.count_noise) if p.count_noise is not None else max(self._mech.cohort / 20, self._sigma)
 
     @override
     def on_attach(self, fed: FederationView) -> None:
-        mech = self.mechanism
+        mech = self._mech
         if (mech.num_clients, mech.cohort) != (fed.num_clients, fed.cfg.clients_per_round):  # the ledger's q is real
             raise RuntimeError(
                 f"CentralDP: accounted for {mech.cohort} of {mech.num_clients} clients, the federation samples "
@@ -150,7 +165,7 @@ class CentralDP(Budgeted):
     # ------------------------------------------------------------------ the round
     @override
     def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> list[int]:
-        n, m = fed.num_clients, self.mechanism.cohort
+        n, m = fed.num_clients, self._mech.cohort
         if self.params.sampling == "poisson":
             return np.flatnonzero(rng.random(n) < m / n).tolist()
         return sorted(rng.choice(n, size=m, replace=False).tolist())
@@ -180,7 +195,7 @@ class CentralDP(Budgeted):
     def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         """``mean`` is :math:`w^t + \\frac1K \\sum_i \\hat\\Delta_i` (weights 1); it becomes
         :math:`w^t + (\\sum_i \\hat\\Delta_i + \\text{noise}) / \\bar m`."""
-        count, m_bar = float(fed.stat(_COUNT)[0]), float(self.mechanism.cohort)
+        count, m_bar = float(fed.stat(_COUNT)[0]), float(self._mech.cohort)
         noise = self._noise(fed, rnd.round, [t.numel() for t in mean])
         std = self._update_sigma() * self.clip  # sigma_Delta C
         for t, g, z in zip(mean, fed.global_state, noise):
@@ -194,8 +209,8 @@ class CentralDP(Budgeted):
     def _update_sigma(self) -> float:
         """:math:`\\sigma_\\Delta`: the update's noise multiplier (raised under adaptive clipping)."""
         if not self.params.adaptive:
-            return self.sigma
-        return privacy.update_noise(self.sigma, self._count_noise())
+            return self._sigma
+        return privacy.update_noise(self._sigma, self._count_noise())
 
     def _noise(self, fed: FederationView, round_idx: int, sizes: list[int]) -> list[Tensor]:
         """Standard normal draws for every entry of the upload, then one for the clipped count: from a generator
@@ -273,4 +288,4 @@ class CentralDP(Budgeted):
         """The expected L2 norm of a round's noise on a global model of ``d`` entries,
         :math:`\\sigma_\\Delta C \\sqrt d / \\bar m` (:math:`E\\lVert z \\rVert \\approx \\sqrt d` for
         :math:`z \\sim \\mathcal N(0, I_d)`, to :math:`1/(4d)` relative)."""
-        return self._update_sigma() * self.clip * math.sqrt(d) / self.mechanism.cohort
+        return self._update_sigma() * self.clip * math.sqrt(d) / self._mech.cohort

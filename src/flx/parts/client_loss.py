@@ -55,8 +55,7 @@ def client_train_losses(fed: FederationView) -> Tensor:
     out = torch.zeros(fed.num_clients, dtype=torch.float64, device=fed.params[0].device)
     for cid, loss in client_losses(fed, range(fed.rank, fed.num_clients, fed.world_size)).items():
         out[cid] = loss
-    if fed.world_size > 1 and fed.reduce_sum is not None:
-        out = fed.reduce_sum(out)
+    fed.all_reduce_(out)
     return out.cpu()
 
 

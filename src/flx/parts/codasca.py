@@ -47,6 +47,7 @@ from typing_extensions import override
 from flx.aggregation import flat_views
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.local_sgd import grads_of
 from flx.losses import aucm, xrisk
 from flx.models import heads
 from flx.traits import Channel, PartTraits
@@ -89,14 +90,14 @@ class Codasca(FederatedCallback):
         ):
             if value not in allowed:
                 raise bad_value(f"algo.{key}", value, f"allowed: {', '.join(allowed)}")
-        for key, ok, allowed in (
+        for key, ok, rule in (
             ("margin", p.margin > 0, "the AUC margin, must be > 0"),
             ("gamma", p.gamma > 0, "must be > 0"),
             ("decay", p.decay >= 1, "must be >= 1"),
             ("t0", p.t0 >= 1, "must be >= 1"),
         ):
             if not ok:
-                raise bad_value(f"algo.{key}", getattr(p, key), allowed)
+                raise bad_value(f"algo.{key}", getattr(p, key), rule)
         if p.clip is not None and not p.clip > 0:
             raise bad_value("algo.clip", p.clip, "a positive number, or null for no clipping")
         if p.p is not None and not 0 < p.p < 1:
@@ -156,6 +157,7 @@ class Codasca(FederatedCallback):
     @override
     def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         st, sums = self.state, fed.stat(_SUMS)
+        assert isinstance(sums, Tensor)  # registered as one tensor
         eta_g = fed.cfg.server.lr
         st["abz"] += eta_g * (sums[:3] / sums[3] - st["abz"])
         st["abz"][ALPHA].clamp_(min=0)
@@ -192,6 +194,7 @@ class Codasca(FederatedCallback):
     @override
     def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
         s = client.extras["codasca"]
+        assert client.outputs is not None and client.batch is not None  # set before local_loss
         h = heads.binary_score(client.outputs, self.params.score)
         return aucm.aucm(h, client.batch[1], s["a"], s["b"], s["alpha"], self.state["p"], self.params.margin)
 
@@ -201,13 +204,13 @@ class Codasca(FederatedCallback):
         p, st, s, lr = self.params, self.state, client.extras["codasca"], self.lr
         n, wd, corr, ref = self._numel(fed), fed.cfg.weight_decay, s["corr"], st["ref"]
         # per parameter tensor, no flattening: g <- clip(g) + (c - c_i) + (w - w_ref) / gamma; c_i sums the raw g
-        grads = [q.grad for q in fed.params]
+        grads = grads_of(fed.params)
         torch._foreach_add_(s["acc_w"], grads)
         if p.clip is not None:
             torch._foreach_clamp_min_(grads, -p.clip)
             torch._foreach_clamp_max_(grads, p.clip)
         torch._foreach_add_(grads, s["corr_w"])
-        prox = torch._foreach_sub([q.detach() for q in fed.params], self._ref_w)
+        prox = list(torch._foreach_sub([q.detach() for q in fed.params], self._ref_w))
         torch._foreach_div_(prox, p.gamma)
         torch._foreach_add_(grads, prox)  # the SGD step (lr = eta_s, weight decay wd) then moves w
         a, b, alpha = s["a"], s["b"], s["alpha"]
@@ -225,6 +228,7 @@ class Codasca(FederatedCallback):
     @override
     def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
         s, sums = client.extras.pop("codasca"), fed.stat(_SUMS)
+        assert isinstance(sums, Tensor)  # registered as one tensor
         sums[:3] += client.weight * torch.stack([s["a"].detach(), s["b"].detach(), s["alpha"].detach()])
         sums[3] += client.weight
         if self.params.control == "grad_mean":

@@ -44,6 +44,12 @@ class BudgetParams:
         keys = (self.noise_multiplier, self.target_epsilon, self.delta, self.sampling, self.accountant)
         privacy.check_budget_keys(*keys)
 
+    def budget(self) -> float:
+        """``target_epsilon``, which calibrates the noise when no ``noise_multiplier`` is given."""
+        if self.target_epsilon is None:
+            raise bad_value("privacy.target_epsilon", None, "a budget, or set privacy.noise_multiplier")
+        return self.target_epsilon
+
 
 class Budgeted(FederatedCallback):
     """A privacy part with a ledger: logs :meth:`logged` every round and, with ``params.target_epsilon`` set, refuses

@@ -107,8 +107,10 @@ def fbe_direction(
     u = torch._foreach_add(torch._foreach_sub(v, reg.prox(v, 1.0 / lam)), list(g), alpha=1.0 / lam)
     direction = torch._foreach_mul(u, lam)
     if mode != "none":
+        if rows_hat is None:
+            raise ValueError(f"fbe_direction: mode={mode!r} needs the Hessian rows rows_hat")
         torch._foreach_sub_(direction, fed.hvp(u, rows_hat, mode=mode, params=list(w), eps=eps))
-    return direction
+    return list(direction)
 
 
 def fbe_value(fed: FederationView, rows: Tensor, lam: float, reg: Regularizer | None = None) -> Tensor:
@@ -137,8 +139,7 @@ def fbe_objective(fed: FederationView, lam: float, reg: Regularizer | None = Non
             rows = fed.data.client_indices[cid]
             if len(rows):
                 out[cid] = fbe_value(fed, rows, lam, reg).detach()
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            out = fed.reduce_sum(out)
+        fed.all_reduce_(out)
         return float(out.mean())
 
 

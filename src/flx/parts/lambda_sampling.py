@@ -165,7 +165,7 @@ class LambdaSampling(FederatedCallback):
     def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> list[int]:
         m, n = fed.cfg.clients_per_round, fed.num_clients
         if self.params.sampling == "lambda":
-            probs = self.lam.numpy()
+            probs = self._lam.numpy()
             return rng.choice(n, size=m, replace=True, p=probs / probs.sum()).tolist()
         return rng.choice(n, size=m, replace=False).tolist()
 
@@ -178,6 +178,7 @@ class LambdaSampling(FederatedCallback):
         else:  # DRFA-GA: every client's full local loss at the round-start model (Alg. 3 lines 11-12): this rank's
             # share (client i on rank i mod N); the round's all-reduce sums the shares before on_round_end
             losses = fed.stat(_FULL_LOSSES)
+            assert isinstance(losses, Tensor)  # registered as one tensor
             for cid, loss in client_losses(fed, range(fed.rank, fed.num_clients, fed.world_size)).items():
                 losses[cid] = loss  # batched over the clients: one forward pass covers many clients' rows
 
@@ -185,7 +186,7 @@ class LambdaSampling(FederatedCallback):
     def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         if self.params.sampling == "uniform_weighted":
             # FedTorch: w <- w - sum_{i in D} lam_i (N/m) (w - w_i) = w + S (mean_lam - w), S = (N/m) sum_D lam_i
-            scale = fed.num_clients / len(rnd.cohort) * float(self.lam[list(rnd.cohort)].sum())
+            scale = fed.num_clients / len(rnd.cohort) * float(self._lam[list(rnd.cohort)].sum())
             with torch.no_grad():
                 for m, w in zip(mean, fed.global_params):
                     m.copy_(w + scale * (m - w))
@@ -196,14 +197,14 @@ class LambdaSampling(FederatedCallback):
         if p.mode == "drfa":
             *sums, weight = fed.stat(_SNAPSHOT)
             if float(weight) <= 0:  # no client trained this round (all skipped): no w^(t'), lambda stays
-                self.history.append(self.lam.tolist())
+                self.history.append(self._lam.tolist())
                 return
             m = fed.cfg.clients_per_round
             rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, _EVAL_SET_TAG))
             eval_set = sorted(rng.choice(n, size=min(m, n), replace=False).tolist())
-            losses = self._at_snapshot(fed, torch._foreach_div(sums, weight[0]), eval_set, rnd.round)
+            losses = self._at_snapshot(fed, list(torch._foreach_div(sums, weight[0])), eval_set, rnd.round)
             v = losses * (n / len(eval_set))  # v_i = (N/m) f_i(w^(t'); xi_i) on U, 0 elsewhere (line 16)
-            y, c = self.lam + tau * gamma * v, gamma * tau * p.rho
+            y, c = self._lam + tau * gamma * v, gamma * tau * p.rho
             if p.regularizer == "chi2":
                 lam = simplex.prox_chi2(y, c)
             elif p.regularizer == "kl":
@@ -211,10 +212,19 @@ class LambdaSampling(FederatedCallback):
             else:
                 lam = simplex.project_simplex(y)
         else:
-            grad = fed.stat(_FULL_LOSSES).double().cpu() + self._reg_grad(self.lam)
-            lam = simplex.project_simplex(self.lam + gamma * grad)
+            full = fed.stat(_FULL_LOSSES)
+            assert isinstance(full, Tensor)  # registered as one tensor
+            grad = full.double().cpu() + self._reg_grad(self._lam)
+            lam = simplex.project_simplex(self._lam + gamma * grad)
         self.lam = simplex.floor_and_renormalise(lam, p.lambda_floor)
         self.history.append(self.lam.tolist())
+
+    @property
+    def _lam(self) -> Tensor:
+        """:math:`\\lambda`, which ``on_attach`` sets (or a checkpoint loads)."""
+        if self.lam is None:
+            raise RuntimeError("LambdaSampling: lambda is set in on_attach")
+        return self.lam
 
     def _reg_grad(self, lam: Tensor) -> Tensor:
         """``grad g(lambda)`` for DRFA-GA: ``g = -rho/2 ||lam - 1/N||^2`` or ``g = -rho KL(lam || 1/N)``."""
@@ -262,7 +272,7 @@ class LambdaSampling(FederatedCallback):
     def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         client.extras["lambda_weight"] = client.weight  # the snapshot mean is unweighted over draws (line 12)
         if self.params.sampling == "uniform_weighted":
-            client.weight = float(self.lam[client.cid])
+            client.weight = float(self._lam[client.cid])
 
     @override
     def on_local_step_end(self, fed: FederationView, client: ClientContext) -> None:
@@ -294,7 +304,7 @@ class LambdaSampling(FederatedCallback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:
+        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:  # type: ignore[attr-defined]  # set by lightning trainer/setup.py, undeclared
             lambda_report.write_history(trainer, self.history)
 
     @override

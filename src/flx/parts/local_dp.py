@@ -79,7 +79,8 @@ class LocalDP(Budgeted):
     )
 
     def __init__(self, **params: Any) -> None:
-        self.params = p = LocalParams(**params)
+        self.params: LocalParams = LocalParams(**params)
+        p = self.params
         p.check("one row's gradient")
         if not p.loss_clip > 0:
             raise bad_value("privacy.loss_clip", p.loss_clip, "the bound a row's released loss is clipped to, > 0")
@@ -144,17 +145,24 @@ class LocalDP(Budgeted):
         sigma = 0.0
         for mech, steps in worst:  # the next client needs more noise only if it spends more at the current sigma
             current = dataclasses.replace(mech, noise_multiplier=sigma)
-            if not sigma or privacy.epsilon(current, steps, p.delta, p.accountant) > p.target_epsilon:
+            if not sigma or privacy.epsilon(current, steps, p.delta, p.accountant) > p.budget():
                 try:
-                    sigma = max(sigma, privacy.calibrate(p.target_epsilon, mech, steps, p.delta, p.accountant))
+                    sigma = max(sigma, privacy.calibrate(p.budget(), mech, steps, p.delta, p.accountant))
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
         self.sigma = sigma
 
+    @property
+    def _sigma(self) -> float:
+        """:math:`\\sigma`, given or calibrated (:meth:`_calibrate`, at ``check``)."""
+        if self.sigma is None:
+            raise RuntimeError("LocalDP: sigma is calibrated at check (flx.composition.check)")
+        return self.sigma
+
     def _mechanism(self, cid: int, sigma: float | None = None) -> privacy.Mechanism:
         """Client ``cid``'s step: a sample of expected size :math:`\\min(B, n_i)` from its :math:`n_i` rows."""
         n = self.sizes[cid]
-        sigma = self.sigma if sigma is None else sigma
+        sigma = self._sigma if sigma is None else sigma
         return privacy.Mechanism(self.params.sampling, float(sigma), n, min(self.batch_size, n))
 
     @override
@@ -243,7 +251,7 @@ class LocalDP(Budgeted):
             total = float(losses.double().clamp(0.0, self.params.loss_clip).sum())
         z = float(torch.randn((), generator=gen, dtype=torch.float64))
         self.steps[cid] = self.steps.get(cid, 0) + 1
-        return (total + z * self.sigma * self.params.loss_clip) / min(self.batch_size, n)
+        return (total + z * self._sigma * self.params.loss_clip) / min(self.batch_size, n)
 
     # ------------------------------------------------------------------ the local steps
     @override
@@ -266,6 +274,8 @@ class LocalDP(Budgeted):
 
     @override
     def local_grad(self, fed: FederationView, client: ClientContext) -> Tensor:
+        if client.batch is None:
+            raise RuntimeError("LocalDP.local_grad: the step's batch is set before local_grad")
         x, y = client.batch
         params = tuple(p.detach() for p in fed.params)
         if len(y):
@@ -282,6 +292,8 @@ class LocalDP(Budgeted):
     def cohort_grad(self, fed: FederationView, cohort: Cohort) -> tuple[Tensor, list[Tensor]]:
         params = tuple(p.detach().contiguous() for p in cohort.params)  # a folded net stores weights transposed
         m, rows = len(cohort.clients), cohort.rows
+        if rows is None:
+            raise RuntimeError("LocalDP.cohort_grad: the step's rows are set before cohort_grad")
         if rows.shape[1] and self._linear is not None:  # client by client, each without per-row gradients
             x, y = fed.data.x[rows], fed.data.y[rows]
             done = [
@@ -317,7 +329,7 @@ class LocalDP(Budgeted):
     def _noised(self, summed: list[Tensor], clients: list[ClientContext], stacked: int) -> list[Tensor]:
         """``(sum + N(0, sigma^2 C^2 I)) / min(B, n_i)`` for each client; ``summed`` has a leading client dimension
         when ``stacked``. Each client draws from its own generator, tensor by tensor."""
-        std = self.sigma * self.params.clip
+        std = self._sigma * self.params.clip
         denominators = [float(min(self.batch_size, self.sizes[c.cid])) for c in clients]
         if stacked:  # one (m,) tensor, made on the host once a step (docs/loop.md#devices)
             per_client = torch.tensor(denominators, dtype=summed[0].dtype).to(summed[0].device, non_blocking=True)
@@ -366,10 +378,11 @@ class LocalDP(Budgeted):
             if p.noise_multiplier is None
             else f"lower privacy.noise_multiplier (now {p.noise_multiplier:g})"
         )
+        sigma = self._sigma
         return (
-            f"the DP noise dominates the update: each client's gradient gets noise of std {self.sigma * p.clip / b:.3g}"
-            f" per coordinate per step (sigma {self.sigma:.3g} x clip {p.clip:g} / B {b}), norm "
-            f"{self.sigma * p.clip * d**0.5 / b:.3g} over d = {d}, ~{noise:.3g} in the round's mean update of norm "
+            f"the DP noise dominates the update: each client's gradient gets noise of std {sigma * p.clip / b:.3g}"
+            f" per coordinate per step (sigma {sigma:.3g} x clip {p.clip:g} / B {b}), norm "
+            f"{sigma * p.clip * d**0.5 / b:.3g} over d = {d}, ~{noise:.3g} in the round's mean update of norm "
             f"{update:.3g}; {budget}, lower privacy.clip (now {p.clip:g}) or raise algo.batch_size (now {b})"
         )
 
@@ -380,7 +393,7 @@ class LocalDP(Budgeted):
         :math:`E = \\eta \\sigma C \\sqrt{d \\sum_i p_i^2 K_i / B_i^2}`."""
         total = sum(weights.values())
         spread = sum((w / total) ** 2 * steps[c] / min(self.batch_size, self.sizes[c]) ** 2 for c, w in weights.items())
-        return lr * self.sigma * self.params.clip * (d * spread) ** 0.5
+        return lr * self._sigma * self.params.clip * (d * spread) ** 0.5
 
 
 def _call(net: nn.Module, state: dict[str, Tensor], x: Tensor) -> Tensor:

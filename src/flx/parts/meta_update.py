@@ -69,7 +69,7 @@ def maml_gradient(
     loss, r = fed.value_and_grad_at(phi, query)
     norm = torch.sqrt(sq_norm(r))  # stays on the device: no host sync per step
     g = fed.hvp(r, support, mode=hessian, params=theta, eps=torch.where(norm > 0, delta * norm, delta))  # r = 0: g = 0
-    return loss, torch._foreach_add(r, g, alpha=-alpha)
+    return loss, list(torch._foreach_add(r, g, alpha=-alpha))
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class MetaUpdate(FederatedCallback):
         y = from_state(client.state, _Y, len(theta)) or [torch.zeros_like(q) for q in theta]
         w_i = self.weight(fed, client.cid)
         theta_i = torch._foreach_sub(theta, torch._foreach_div(torch._foreach_add(y, g_hat, alpha=w_i), p.rho))
-        y = torch._foreach_add(y, torch._foreach_sub(theta_i, theta), alpha=p.rho)  # Eq. 12
+        y = list(torch._foreach_add(y, torch._foreach_sub(theta_i, theta), alpha=p.rho))  # Eq. 12
         keep(client, _Y, y)
         client.state[_T] = torch.tensor(t_client)
         with torch.no_grad():  # the upload u_i = y_i + rho theta_i (params), rho b_i (float buffers), weight rho

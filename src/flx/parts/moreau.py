@@ -59,7 +59,7 @@ def default_tol(dtype: torch.dtype) -> float:
 
 
 def _dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
-    return sum((x.double() * y.double()).sum() for x, y in zip(a, b))
+    return torch.as_tensor(sum((x.double() * y.double()).sum() for x, y in zip(a, b)))  # a Tensor: a is not empty
 
 
 Batches = list[tuple[Tensor, Tensor]]
@@ -155,7 +155,7 @@ def moreau_solve(
             restart = float(_dot(torch._foreach_sub(y, new), momentum)) > 0  # the step opposes the momentum
             t_next = 1.0 if restart else (1 + math.sqrt(1 + 4 * t * t)) / 2
             beta = 0.0 if restart else (t - 1) / t_next
-            y = torch._foreach_add(new, momentum, alpha=beta) if beta else new
+            y = list(torch._foreach_add(new, momentum, alpha=beta)) if beta else new
             theta, t = new, t_next
     finally:
         fed.net.train(was_training)

@@ -69,8 +69,7 @@ def personal_terms(fed: FederationView, h: Regularizer) -> Tensor:
                 if own:
                     value = h.value([p.detach() for p in fed.params]).double()
                     out[cid] = torch.stack([fed.eval_loss_tensor(rows), value, value.new_ones(())])
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            out = fed.reduce_sum(out)
+        fed.all_reduce_(out)
         return out.cpu()
 
 
@@ -138,7 +137,7 @@ class Objective(FederatedCallback):
         h_w = float(self.h.value([p.detach().double() for p in fed.params]))
         personal, h_j = personal_objective(fed, self.h, f, h_w)
         values = {"train/h": h_w, "train/objective": float(f.mean()) + h_w, "train/personal_objective": personal}
-        dm = trainer.datamodule
+        dm = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         for split in dict.fromkeys(loader.split for loader in dm.eval_plan(stage)):
             if dm.has_client_rows(split):
                 data = dm.client_eval_data(split).to(fed.params[0].device, fed.params[0].dtype)

@@ -40,6 +40,7 @@ the round's participants, other clients' ``u`` tables stay frozen in the store.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,6 +51,7 @@ from typing_extensions import override
 from flx.aggregation import flat_views
 from flx.errors import ConfigError, bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.local_sgd import grads_of
 from flx.losses import xrisk
 from flx.models import heads
 from flx.parts import fedxl_pools
@@ -61,7 +63,11 @@ if TYPE_CHECKING:
     from flx.parts.client_noise import ClientNoise
     from flx.vectorized import Cohort
 
-LOSSES = {"psm": xrisk.psm, "squared_hinge": xrisk.squared_hinge, "kl_opauc": xrisk.kl_opauc_inner}
+LOSSES: dict[str, Callable[..., Tensor]] = {
+    "psm": xrisk.psm,
+    "squared_hinge": xrisk.squared_hinge,
+    "kl_opauc": xrisk.kl_opauc_inner,
+}
 CHOICES = {
     "pairs": ("passive", "local"),
     "score": ("sigmoid", "logit"),
@@ -126,14 +132,14 @@ class PassiveBuffer(FederatedCallback):
         for key in ("b1", "b2", "depth"):
             if getattr(p, key) < 1:
                 raise bad_value(f"algo.{key}", getattr(p, key), "must be >= 1")
-        for key, ok, allowed in (
+        for key, ok, rule in (
             ("gamma", 0 < p.gamma <= 1, "must be in (0, 1]"),
             ("beta", 0 < p.beta <= 1, "must be in (0, 1]"),
             ("lam", p.lam > 0, "must be > 0"),
             ("u0", p.u0 > 0, "must be > 0"),
         ):
             if not ok:
-                raise bad_value(f"algo.{key}", getattr(p, key), allowed)
+                raise bad_value(f"algo.{key}", getattr(p, key), rule)
         kw = {"margin": p.margin} | ({"lam": p.lam} if p.loss == "kl_opauc" else {})
         self.ell = functools.partial(LOSSES[p.loss], **({} if p.loss == "psm" else kw))
         self.f_prime = functools.partial(xrisk.kl_opauc_outer_prime, lam=p.lam)
@@ -264,6 +270,7 @@ class PassiveBuffer(FederatedCallback):
     @override
     def local_loss(self, fed: FederationView, client: ClientContext, loss: Tensor) -> Tensor:
         p, s, pool = self.params, client.extras["fedxl"], self._merged
+        assert client.outputs is not None  # set before local_loss
         h = self.score(client.outputs)
         a, b = h[: p.b1], h[p.b1 :]
         if p.pairs == "local":
@@ -297,7 +304,7 @@ class PassiveBuffer(FederatedCallback):
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.beta == 1.0:
             return
-        s, grads = client.extras["fedxl"], [p.grad for p in fed.params]
+        s, grads = client.extras["fedxl"], grads_of(fed.params)
         m = s.setdefault("m_views", flat_views(s["m"], grads))  # per parameter tensor, no flattening per step
         torch._foreach_mul_(m, 1 - self.params.beta)
         torch._foreach_add_(m, grads, alpha=self.params.beta)  # m = (1-beta) m + beta g
@@ -308,6 +315,7 @@ class PassiveBuffer(FederatedCallback):
     def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         if self.params.beta == 1.0:
             return
+        assert cohort.grads is not None  # set for on_cohort_grad
         for i, client in enumerate(cohort.clients):  # each client's m, on its slice of the stacked gradients
             grads = [g[i] for g in cohort.grads]
             m = flat_views(client.extras["fedxl"]["m"], grads)

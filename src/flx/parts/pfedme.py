@@ -125,7 +125,7 @@ class PFedMe(FederatedCallback):
     def local_update(self, fed: FederationView, client: ClientContext) -> Tensor:
         p, eta = self.params, fed.cfg.lr
         theta = [q.detach().clone() for q in fed.params]
-        total = 0.0
+        total: Tensor | float = 0.0
         for rows in fed.client_batches(client):
             total += fed.eval_loss_tensor(rows)  # on the device: no host sync per step
             w = [q.detach() for q in fed.params]

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from flx.errors import bad_value, check_fields, number_error
+from flx.aggregation import WeightedMean
+from flx.errors import ConfigError, bad_value, check_fields, number_error
 from flx.hooks import FederatedCallback
 from flx.losses.crd import CRD
 from flx.losses.distill import RH_OPTIONS, l2_to_pm_grad, logit_kd
@@ -54,6 +55,7 @@ from flx.traits import PartTraits
 if TYPE_CHECKING:
     from flx.context import FederationView, Round
     from flx.hooks import Build
+    from flx.resources import ServerResources
 
 GRADIENTS = ("paper", "code")
 _TAG = 0x414647  # "AFG": the server minibatch order and the CRD negatives of round t
@@ -126,8 +128,7 @@ class PMRegularizer(FederatedCallback):
         store has no data config to fingerprint: its PM is trained without one.)"""
         if not self.active:
             return
-        res, datamodule = build.resources, build.datamodule
-        self._require(res)
+        res, datamodule = self._require(build.resources), build.datamodule
         p = self.params
         if p.pm in res.models or p.cache is None or datamodule is None:
             return
@@ -138,23 +139,26 @@ class PMRegularizer(FederatedCallback):
             if k != "key_prefix"
         }
         seed = derive_seed(build.cfg.seed, _TAG, 2)
+        assert p.pm_model is not None  # _require: server.models has no PM, so pm_model makes one
         self.cache_fingerprint = cache_fingerprint(p.pm_model, x, y, recipe, seed, datamodule.data.num_classes)
         check_cache(p.cache, self.cache_fingerprint, "algo.pm_cache")
 
-    def _require(self, res: Any) -> None:
+    def _require(self, res: ServerResources | None) -> ServerResources:
+        """``res`` when it holds what the part needs (the PM, or what makes it; server rows for ``R_h``)."""
         p = self.params
         if res is None or (p.pm not in res.models and p.pm_model is None):
             why = "no such server model: add server.models.pm (scripts/pretrain_pm.py trains one), or algo.lam=0"
             raise bad_value(f"algo.pm={p.pm}", "missing", why)
         if (p.rh != "l2" or p.pm not in res.models) and not len(res.rows):
             raise bad_value("data.server_fraction", 0, f"AugFL's R_h={p.rh} needs server rows: set a fraction > 0")
+        return res
 
     @override
     def on_attach(self, fed: FederationView) -> None:
         if not self.active:
             return
-        p, res = self.params, fed.resources
-        self.pm_net = pm = self._load_pm(fed).to(fed.params[0].device)
+        p, res = self.params, self._require(fed.resources)
+        self.pm_net = pm = self._load_pm(fed, res).to(fed.params[0].device)
         if p.rh == "l2":
             l2_to_pm_grad(fed.params, list(pm.parameters()))  # checks the architectures now, not at round 0
         if p.rh == "crd" and self.crd is None:
@@ -164,12 +168,13 @@ class PMRegularizer(FederatedCallback):
             self.crd = CRD(*dims, num_data=len(res.rows), generator=gen, **p.crd).to(fed.params[0])
             self.head_opt = self._sgd(self.crd.parameters())
 
-    def _load_pm(self, fed: FederationView) -> nn.Module:
+    def _load_pm(self, fed: FederationView, res: ServerResources) -> nn.Module:
         """``server.models.<pm>``, or else a PM of ``pm_model`` trained on the server rows (on rank 0, where the
         server step runs; the other ranks hold an untrained one of the same shape) and kept in ``cache``."""
-        p, res = self.params, fed.resources
+        p = self.params
         if p.pm in res.models:
             return res.models[p.pm]
+        assert p.pm_model is not None  # _require: server.models has no PM, so pm_model makes one
         x, y = fed.batch(res.rows)
         with torch.no_grad():
             classes = fed.net.eval()(x[:1]).shape[1]
@@ -189,7 +194,10 @@ class PMRegularizer(FederatedCallback):
         if not self.active:
             return
         grad = fed.on_server(lambda: [g.cpu() for g in self._seeded_gradient(fed, rnd.round)])
-        scale = self.params.lam / fed.aggregator.total_weight
+        agg = fed.aggregator
+        if not isinstance(agg, WeightedMean):  # count_mean averages entry by entry: no one weight sum
+            raise ConfigError(f"AugFL's PM term needs the round's weight sum: algo.aggregator={fed.cfg.aggregator}")
+        scale = self.params.lam / agg.total_weight
         torch._foreach_add_(mean[: len(grad)], [g.to(m) for g, m in zip(grad, mean)], alpha=-scale)
 
     def _seeded_gradient(self, fed: FederationView, round_idx: int) -> list[Tensor]:
@@ -203,13 +211,14 @@ class PMRegularizer(FederatedCallback):
     def gradient(self, fed: FederationView, round_idx: int) -> list[Tensor]:
         """:math:`G^t` at :math:`\\theta^t` (``fed.global_params``), one tensor per parameter. Loads
         :math:`\\theta^t` into the net (the core overwrites the net after the server step)."""
-        p, pm = self.params, self.pm_net
+        p, pm, res = self.params, self.pm_net, fed.resources
+        assert pm is not None and res is not None  # on_attach loaded the PM from the resources it required
         if p.rh == "l2":
             return l2_to_pm_grad(fed.global_params, list(pm.parameters()))
         with torch.no_grad():
             torch._foreach_copy_(fed.params, fed.global_params)
         gen = torch.Generator().manual_seed(derive_seed(fed.cfg.seed, round_idx, _TAG))
-        rows, n = fed.resources.rows, len(fed.params)
+        rows, n = res.rows, len(fed.params)
         heads = list(self.crd.parameters()) if self.crd is not None else []
         stepped = [*fed.params, *heads] if p.gradient == "code" else heads  # what the epoch's SGD moves
         opt = self._sgd(stepped) if p.gradient == "code" else self.head_opt
@@ -246,6 +255,7 @@ class PMRegularizer(FederatedCallback):
             feats = penultimate(fed.net, x)
             with torch.no_grad():
                 teacher = penultimate(pm, x_pm).to(feats)
+            assert self.crd is not None  # made in on_attach for R_h = crd
             rh = self.crd(feats, teacher, pos, gen)
             logits = fed.net(x) if p.gradient == "code" else None
         if p.gradient == "paper":
@@ -256,6 +266,7 @@ class PMRegularizer(FederatedCallback):
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.crd is not None:
+            assert self.head_opt is not None  # made with the CRD module
             out["crd"] = self.crd.state_dict()
             out["head_opt"] = self.head_opt.state_dict()
         return out
@@ -264,5 +275,6 @@ class PMRegularizer(FederatedCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """After ``on_attach``, which built the CRD heads (``rh=crd``): their trained state replaces the fresh one."""
         if self.crd is not None and "crd" in state_dict:
+            assert self.head_opt is not None  # made with the CRD module
             self.crd.load_state_dict(state_dict["crd"])
             self.head_opt.load_state_dict(state_dict["head_opt"])

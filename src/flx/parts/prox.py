@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
+from flx.local_sgd import grads_of
 from flx.traits import PartTraits
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class Prox(FederatedCallback):
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         if self.params.mu == 0.0:
             return
-        grads = [p.grad for p in fed.params]
+        grads = grads_of(fed.params)
         torch._foreach_add_(grads, torch._foreach_sub(fed.params, fed.global_params), alpha=self.params.mu)
 
     @override
@@ -67,5 +68,5 @@ class Prox(FederatedCallback):
     def on_cohort_grad(self, fed: FederationView, cohort: Cohort) -> None:
         if self.params.mu == 0.0:
             return
-        for g, w, w_t in zip(cohort.grads, cohort.params, fed.global_params):
+        for g, w, w_t in zip(cohort.grads or (), cohort.params, fed.global_params):  # grads: set at on_cohort_grad
             g.add_(w - w_t, alpha=self.params.mu)  # w: (m, ...), w^t broadcast over the clients

@@ -167,6 +167,13 @@ class DualAveraging(FederatedCallback):
         self.z = [p.detach().clone() for p in fed.params]  # z^0 = w^0; a resumed run's checkpoint replaces it
         _register_steps(fed, _DUAL_STEPS)
 
+    @property
+    def _z(self) -> list[Tensor]:
+        """:math:`z^t`, which ``on_attach`` sets (or a checkpoint loads)."""
+        if self.z is None:
+            raise RuntimeError("DualAveraging: z^t is set in on_attach")
+        return self.z
+
     @torch.no_grad()
     def _to_primal(self, fed: FederationView, z: list[Tensor], gamma: float) -> None:
         """The net's parameters <- ``prox_{gamma h}(z)``."""
@@ -176,7 +183,7 @@ class DualAveraging(FederatedCallback):
     # ------------------------------------------------------------------ client
     @override
     def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
-        z = [t.clone() for t in self.z]
+        z = [t.clone() for t in self._z]
         client.extras[_DUAL] = z
         self._to_primal(fed, z, self.elapsed)  # x_{i,0} = prox(z^t) = w^t (a projection at t = 0 for indicators)
 
@@ -208,7 +215,7 @@ class DualAveraging(FederatedCallback):
     @torch.no_grad()
     def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
         # mean[:n] is the dual mean z-bar; the server optimizer steps fed.global_params towards it, so it gets z^t
-        torch._foreach_copy_(fed.global_params, self.z)
+        torch._foreach_copy_(fed.global_params, self._z)
         self._stepped = True
 
     @override
@@ -217,9 +224,9 @@ class DualAveraging(FederatedCallback):
         if not self._stepped:  # no client aggregated: the net kept w^t, z and eta~ stay
             return
         self._stepped = False
-        torch._foreach_copy_(self.z, [p.detach() for p in fed.params])  # z^{t+1}, from the server optimizer
+        torch._foreach_copy_(self._z, [p.detach() for p in fed.params])  # z^{t+1}, from the server optimizer
         self.elapsed += fed.cfg.server.lr * fed.cfg.lr * _mean_steps(fed, _DUAL_STEPS)
-        self._to_primal(fed, self.z, self.elapsed)
+        self._to_primal(fed, self._z, self.elapsed)
 
     # ------------------------------------------------------------------ checkpoint
     @override
@@ -229,5 +236,5 @@ class DualAveraging(FederatedCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """After ``on_attach``: the checkpoint's ``z`` on the model's device and dtype (those of ``z^0``)."""
-        self.z = [z.to(z0.device, z0.dtype) for z, z0 in zip(state_dict["z"], self.z)]
+        self.z = [z.to(z0.device, z0.dtype) for z, z0 in zip(state_dict["z"], self._z)]
         self.elapsed = float(state_dict["elapsed"])

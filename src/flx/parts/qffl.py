@@ -95,7 +95,9 @@ class QFFL(FederatedCallback):
     @override
     @torch.no_grad()
     def on_server_step(self, fed: FederationView, rnd: Round, mean: list[Tensor]) -> None:
-        sum_a, sum_h = fed.stat(_SUMS).cpu().tolist()  # one copy to the host a round
+        sums = fed.stat(_SUMS)
+        assert isinstance(sums, Tensor)  # registered as one tensor
+        sum_a, sum_h = sums.cpu().tolist()  # one copy to the host a round
         if not 0 < sum_h < math.inf:
             raise RuntimeError(f"q-FFL round {rnd.round}: sum of h_k is {sum_h}, the server step needs it in (0, inf)")
         s = self.L * sum_a / sum_h

@@ -97,7 +97,6 @@ class Structure(LoggedMetrics):
             with fed.personalize(cid):
                 rows[cid] = self.scores(fed.params[i], truths[cid])
         personal = torch.tensor(rows, dtype=torch.float64, device=fed.params[0].device)
-        if fed.world_size > 1 and fed.reduce_sum is not None:
-            personal = fed.reduce_sum(personal)
+        fed.all_reduce_(personal)
         out = {k: float(v) for k, v in zip(keys, glob)}
         return out | {f"personal_{k}_mean": float(v) for k, v in zip(keys, personal.mean(0).cpu())}

@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from flx.errors import MAX_INT, ConfigError, bad_value, check_fields, count
@@ -49,6 +49,21 @@ from flx.traits import Channel, PartTraits
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView, Round
     from flx.hooks import Build
+
+
+@runtime_checkable
+class Scalable(Protocol):
+    """A net whose width the part sets (:mod:`flx.models.scalable`, :mod:`flx.models.scalable_lm`)."""
+
+    def set_width(self, ratio: float, indices: Mapping[str, Tensor] | None = None) -> None: ...
+
+
+def _scalable(net: nn.Module) -> Scalable:
+    """``net``, which ``check`` admitted for having ``set_width``."""
+    if not isinstance(net, Scalable):
+        raise ConfigError(f"WHALE-FL: {type(net).__name__} has no set_width (use a scalable model)")
+    return net
+
 
 _MASK_TAG, _LABEL_TAG = 0x57A1, 0x57A2
 _FI2 = "whale/fi2"  # (N,): each trained client's mean of FI^2 over its batches this round
@@ -109,9 +124,9 @@ class Subnetwork(FederatedCallback):
         ):
             if value not in allowed:
                 raise bad_value(f"algo.{key}", value, f"allowed: {', '.join(allowed)}")
-        for key, value in (("beta", p.beta), ("u_th", p.u_th), ("T", p.T), ("s", p.s)):
-            if not value > 0:
-                raise bad_value(f"algo.{key}", value, "must be > 0")
+        for key, number in (("beta", p.beta), ("u_th", p.u_th), ("T", p.T), ("s", p.s)):
+            if not number > 0:
+                raise bad_value(f"algo.{key}", number, "must be > 0")
         if p.fisher_samples is not None and p.fisher_samples < 1:
             raise bad_value("algo.fisher_samples", p.fisher_samples, ">= 1, or null for the whole batch")
         if p.fisher_batches is not None and p.fisher_batches < 1:
@@ -167,8 +182,9 @@ class Subnetwork(FederatedCallback):
     # ------------------------------------------------------------------ server: levels
     def client_level(self, fed: FederationView, cid: int, round_idx: int) -> int:
         """``p_{i,r}`` (identical on every rank: the windows and the simulator are)."""
-        p = self.params
-        p_max = p.max_levels[fed.system.device_type(cid)]
+        p, system = self.params, fed.system
+        assert system is not None  # check: WHALE-FL runs on simulated devices
+        p_max = p.max_levels[system.device_type(cid)]
         if p.scheduler == "full":
             return 1
         if p.scheduler == "fixed":
@@ -177,7 +193,7 @@ class Subnetwork(FederatedCallback):
         if p.scheduler != "se_only" and not window:
             return p.levels  # cold start: no Fisher history yet
         te = wu.training_efficiency(window, self._te_batches(fed, cid)) if window else 0.0
-        t_co, t_tr = fed.system.unit_times(cid, round_idx, steps=fed.client_steps(cid))
+        t_co, t_tr = system.unit_times(cid, round_idx, steps=fed.client_steps(cid))
         util = wu.utility(te, t_co, t_tr, T=p.T, beta=p.beta, mode=p.scheduler)
         self._utils.append(util)
         return wu.level(util, u_th=p.u_th, levels=p.levels, p_max=p_max)
@@ -197,10 +213,11 @@ class Subnetwork(FederatedCallback):
 
     @override
     def on_round_end(self, fed: FederationView, rnd: Round) -> None:
-        fed.net.set_width(1.0)  # also after a dropped last client, whose on_client_end never ran
-        fi2, left_out = fed.stat(_FI2), set(fed.faults.dropped) | set(fed.faults.skipped)
+        _scalable(fed.net).set_width(1.0)  # also after a dropped last client, whose on_client_end never ran
+        stat, left_out = fed.stat(_FI2), set(fed.faults.dropped) | set(fed.faults.skipped)
+        assert isinstance(stat, Tensor)  # registered as one tensor
         trained = [c for c in rnd.cohort if c not in left_out]
-        fi2 = fi2.cpu().tolist()  # one copy to the host a round
+        fi2: list[float] = stat.cpu().tolist()  # one copy to the host a round
         for cid in trained if self.track_fisher else ():
             self.windows[cid] = [*self.windows[cid], fi2[cid]][-self.params.D :]
         counts = {q: sum(v == q for v in self.levels.values()) for q in range(1, self.params.levels + 1)}
@@ -227,7 +244,7 @@ class Subnetwork(FederatedCallback):
         indices = width_indices(fed.net, rho, self.params.extractor, round_idx=r, generator=gen)
         client.masks = masks_from_indices(fed.net, indices, classes=classes)
         apply_masks(fed.local_state, client.masks)
-        fed.net.set_width(rho, indices=indices)  # the LM's LayerNorms and attention read the kept channels
+        _scalable(fed.net).set_width(rho, indices=indices)  # the LM's LayerNorms and attention read the kept channels
         client.extras["whale_fi2"] = [0.0, 0]
         if self.params.fisher == "trace_sampled":
             seed = derive_seed(fed.cfg.seed, r, client.cid, _LABEL_TAG)
@@ -235,10 +252,12 @@ class Subnetwork(FederatedCallback):
 
     @override
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
+        assert client.masks is not None  # on_client_start sets them
         mask_grads(fed.params, client.masks)
         last = self.params.fisher_batches
         if not self.track_fisher or (last is not None and client.step >= last):
             return  # an approximation of TE for cost: the mean of FI^2 over the round's first steps only
+        assert client.batch is not None  # the step's batch, set before on_local_grad
         x, y = client.batch
         gen = client.extras.get("whale_labels")
         p = self.params
@@ -248,9 +267,10 @@ class Subnetwork(FederatedCallback):
 
     @override
     def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
-        fed.net.set_width(1.0)
+        _scalable(fed.net).set_width(1.0)
         total, count = client.extras.pop("whale_fi2")  # total: a float64 scalar on the device (no sync per step)
         value, stat = total / max(count, 1), fed.stat(_FI2)
+        assert isinstance(stat, Tensor)  # registered as one tensor
         stat[client.cid] += value.to(stat.dtype) if isinstance(value, Tensor) else value  # this rank's clients' slots
 
     # ------------------------------------------------------------------ evaluation: static BN, logging
@@ -295,7 +315,7 @@ class Subnetwork(FederatedCallback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``whale.json`` and, with W&B, the history table and the Fisher trace (:func:`report.write_history`)."""
-        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:
+        if trainer.is_global_zero and self.history and not trainer.fast_dev_run:  # type: ignore[attr-defined]  # set by lightning trainer/setup.py, undeclared
             system = self._fed.system if self._fed is not None else None
             report.write_history(trainer, self.history, system, self.params.s)
 

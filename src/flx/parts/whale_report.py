@@ -27,7 +27,9 @@ def log_histograms(trainer: pl.Trainer, last: dict[str, Any], levels: int) -> No
         return
     import wandb
 
-    hists = {"whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=levels)}
+    hists: dict[str, wandb.Histogram | float] = {
+        "whale/level_hist": wandb.Histogram(list(last["level"].values()), num_bins=levels)
+    }
     if last["fi"]:
         hists["whale/fi_hist"] = wandb.Histogram(list(last["fi"].values()))
     hists[ROUND] = float(trainer.current_epoch + 1)
