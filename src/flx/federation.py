@@ -108,6 +108,7 @@ class Federation(PartServices):
             part.on_attach(self)
         self.aggregator = self.buffer.allocate(self.local_state, cfg.aggregator)
         self.server_opt = ServerOptimizer(self.global_params, cfg.server)
+        # its lr derives from cfg.lr (algo.lr, the one source of eta); only a part's schedule moves it (CoDASCA stages)
         self.local_opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         self.runner = (vectorized.Stacked if cfg.vectorize else Sequential)(self)
         # the last server steps' measurements, by step (1-based), for divergence_cause: what the optimizer did, and
