@@ -42,85 +42,22 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts" / "bench"), str(ROOT / "scripts")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("src", "scripts/bench", "scripts")]
 
 import torch  # noqa: E402
-
-# run as a script this module is __main__; the section modules import it as gpu_check and must get this one
-sys.modules.setdefault("gpu_check", sys.modules[__name__])
+from gpu_check_common import MODEL_TOL as MODEL_TOL  # noqa: E402  (the table's tolerance of (c), named here too)
+from gpu_check_common import QUIET, ROOT, Row, Setup, progress, timed_row  # noqa: E402
 
 SECTIONS = ("a", "b", "c", "d", "e", "f")
-QUIET = ("callbacks.progress_bar=null", "trainer.enable_progress_bar=false")
 #: (a): |device - cpu| <= METRIC_TOL * max(1, |cpu|) per final metric: absolute on accuracies/AUCs (in [0, 1]),
 #: relative on losses above 1. Float32 on different kernels after 2 rounds differs by ~1e-6 (docs/gpu.md)
 METRIC_TOL = 1e-3
-#: (c): max |parameter difference| between 1 and 2 processes (the all-reduce sums in another order)
-MODEL_TOL = 1e-4
 #: the CPU analogue's configs in (a): plain FedAvg, a client-state store (Ditto), a server-side lambda (DRFA)
 CPU_ALGOS = ("fedavg", "ditto", "drfa")
-
-
-@dataclass
-class Row:
-    """One line of the table.
-
-    Attributes:
-        section: ``a`` .. ``f``.
-        check: what was checked or measured.
-        status: ``passed``, ``FAILED``, ``measured`` (speed) or ``skipped: <reason>``.
-        value: what was measured (max difference, rounds per second, ...).
-        limit: the tolerance or target it is held to.
-        seconds: wall-clock seconds of the check.
-        detail: everything else, for the JSON file.
-    """
-
-    section: str
-    check: str
-    status: str
-    value: str = ""
-    limit: str = ""
-    seconds: float = 0.0
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Where and how large the checks run.
-
-    Attributes:
-        device: ``cuda`` or ``cpu`` (the device under test; the reference is always the CPU).
-        small: the CPU analogue (fewer configs and rounds, tiny speed workloads).
-        work: a scratch folder for the runs' outputs.
-        deadline: ``time.monotonic()`` after which remaining configs of (a) are skipped.
-        algos: the configs of (a).
-    """
-
-    device: str
-    small: bool
-    work: Path
-    deadline: float
-    algos: tuple[str, ...]
-
-
-def progress(line: str) -> None:
-    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {line}", flush=True)
-
-
-def timed_row(section: str, check: str, fn: Callable[[], Row]) -> Row:
-    """``fn()``'s row with its seconds; an exception becomes a FAILED row naming it (the other checks still run)."""
-    start = time.monotonic()
-    try:
-        row = fn()
-    except Exception as err:  # noqa: BLE001 - one failed check must not hide the others
-        row = Row(section, check, "FAILED", value=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-    row.seconds = round(time.monotonic() - start, 1)
-    progress(f"({section}) {row.check}: {row.status} {row.value}".rstrip())
-    return row
 
 
 @contextlib.contextmanager
@@ -269,7 +206,7 @@ def section_e(s: Setup) -> list[Row]:
     """Speed against the plain loop (``gpu_check_speed.py``)."""
     import gpu_check_speed
 
-    return gpu_check_speed.speed_rows(s.device, s.small, timed_row)
+    return gpu_check_speed.speed_rows(s.device, s.small)
 
 
 def section_c(s: Setup) -> list[Row]:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from gpu_check import MODEL_TOL, QUIET, ROOT, Row, Setup, timed_row
+from gpu_check_common import MODEL_TOL, QUIET, ROOT, Row, Setup, timed_row
 
 KILL = ("+callbacks.kill._target_=helpers.KillMidRound", "+callbacks.kill.round=4")
 

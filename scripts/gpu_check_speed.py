@@ -23,6 +23,7 @@ from typing import Any
 
 import harness
 import torch
+from gpu_check_common import Row, timed_row
 from workloads import WORKLOADS, Workload
 
 from flx.errors import ConfigError
@@ -92,12 +93,10 @@ def _mem(mib: float) -> str:
     return "" if mib != mib else f", peak {mib:.0f} MiB"
 
 
-def _check(w: Workload, accelerator: str) -> Any:
+def _check(w: Workload, accelerator: str) -> Row:
     """flx and the plain loop on flx's cohorts and minibatches end with the same model (``harness.check``'s
     comparison; the forward counts are reported, not compared: flx's defaults add forwards of their own, e.g. the
     initial loss of the finite-divergence rule). A net that ``algo.vectorize=true`` refuses gives a skipped row."""
-    from gpu_check import Row
-
     name = f"{w.key} {'vectorised' if 'algo.vectorize=true' in w.overrides else 'sequential'}"
     try:
         b = harness.build_flx(harness.compose(w, w.check_rounds, accelerator))
@@ -114,11 +113,9 @@ def _check(w: Workload, accelerator: str) -> Any:
     )  # fmt: skip
 
 
-def _speed(w: Workload, accelerator: str, vectorised: bool) -> Any:
+def _speed(w: Workload, accelerator: str, vectorised: bool) -> Row:
     """The timed row: rounds per second and peaks of both sides, the ratio against the plain loop's time per round
     (which trains the clients one after the other in both modes) and its target."""
-    from gpu_check import Row
-
     m = measure(w, accelerator)
     r, p = m["rounds_per_s"], m["peak_mib"]
     if not vectorised:
@@ -136,7 +133,7 @@ def _speed(w: Workload, accelerator: str, vectorised: bool) -> Any:
     )  # fmt: skip
 
 
-def speed_rows(device: str, small: bool, timed_row: Callable[..., Any]) -> list[Any]:
+def speed_rows(device: str, small: bool) -> list[Row]:
     """The rows of section (e): per workload, the check and the timings, sequential then vectorised."""
     accelerator = "gpu" if device == "cuda" else "cpu"
     rows = []

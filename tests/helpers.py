@@ -56,7 +56,7 @@ def make_fed(
         world_size=world_size,
         gather=gather,
         broadcast=broadcast,
-        server=resources,
+        resources=resources,
     )
 
 

@@ -124,7 +124,7 @@ def _counts_on_device(name: str, steps: int) -> tuple[int, int]:
         with FakeDevice() as mode:
             net.to(FAKE)
             store = dm.clients.to(FAKE, next(net.parameters()).dtype)
-            fed = Federation(module.spec, net, store, module.task.loss, parts=parts, server=dm.server_resources)
+            fed = Federation(module.spec, net, store, module.task.loss, parts=parts, resources=dm.server_resources)
             run_rounds(fed, ROUNDS)
     syncs, to_host, _ = mode.counts()
     return syncs, to_host

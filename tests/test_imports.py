@@ -1,5 +1,5 @@
 """The import graph of ``flx``: the core never imports a part, and no two modules import each other in a circle, not
-even for annotations.
+even for annotations; nor do any two Python files of the repository (scripts, benchmarks, tests, ``train.py``).
 
 Parts are the modules of ``flx.parts``; everything else is the core (the process callbacks of ``flx.callbacks``
 too). Imports under ``if TYPE_CHECKING:`` are annotations only: the run-time graph leaves them out, the whole graph
@@ -10,6 +10,7 @@ so neither graph has a circle.
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -70,26 +71,89 @@ def test_the_core_never_imports_a_part() -> None:
     assert not arrows, f"core -> part imports: {arrows}"
 
 
-@pytest.mark.parametrize("annotations", [False, True], ids=["run-time", "with-annotations"])
-def test_no_import_circle(annotations: bool) -> None:
-    graph = import_graph(annotations)
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
+def _circle(graph: dict) -> list | None:
+    """One import circle of ``graph`` (its nodes, the first repeated at the end), or None."""
+    state: dict = {}  # 1: on the current path, 2: done
+    path: list = []
 
-    def visit(node: str) -> None:
+    def visit(node: object) -> list | None:
         state[node] = 1
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                raise AssertionError("import circle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
-            if nxt not in state:
-                visit(nxt)
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
         path.pop()
         state[node] = 2
+        return None
 
-    for node in sorted(graph):
-        if node not in state:
-            visit(node)
+    return next((found for node in sorted(graph) if node not in state and (found := visit(node))), None)
+
+
+@pytest.mark.parametrize("annotations", [False, True], ids=["run-time", "with-annotations"])
+def test_no_import_circle(annotations: bool) -> None:
+    circle = _circle(import_graph(annotations))
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
+
+
+REPO = SRC.parent
+NOT_SOURCE = ("bench_results", "data", "logs", "multirun", "outputs", "wandb")  # run outputs at the top (.gitignore)
+
+
+def repo_files() -> list[Path]:
+    """Every Python file of the repository, outside hidden folders (the virtual environment) and run outputs."""
+    found = []
+    for folder, dirs, names in os.walk(REPO):
+        top = Path(folder) == REPO
+        dirs[:] = sorted(d for d in dirs if not (d.startswith(".") or d == "__pycache__" or top and d in NOT_SOURCE))
+        found += [Path(folder, n) for n in sorted(names) if n.endswith(".py")]
+    return found
+
+
+def _find(root: Path, dotted: str) -> Path | None:
+    base = root.joinpath(*dotted.split("."))
+    return next((p for p in (base.with_name(base.name + ".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def repo_import_graph() -> dict[Path, set[Path]]:
+    """File -> the repository's files it imports, anywhere in it (in functions, under ``TYPE_CHECKING``).
+
+    A name resolves as a script that runs from its own folder finds it: its own folder, then ``src/``, then the
+    repository's root; else every folder that scripts and tests put on ``sys.path`` (one with Python files and no
+    ``__init__.py``: ``scripts/bench``, ``tests/parts``, ...) where the name exists, each one counted.
+    """
+    files = repo_files()
+    roots = sorted({p.parent for p in files if not (p.parent / "__init__.py").is_file()})
+    graph: dict[Path, set[Path]] = {}
+    for path in files:
+        names: list[tuple[int, str]] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names += [(0, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                names += [(node.level, mod), *((node.level, f"{mod}.{a.name}".lstrip(".")) for a in node.names)]
+        found: set[Path] = set()
+        for level, dotted in names:
+            if not dotted:
+                continue
+            first = [path.parents[level - 1]] if level else [path.parent, SRC, REPO]
+            hit = next(filter(None, (_find(r, dotted) for r in first)), None)
+            found |= {hit} if hit or level else {t for r in roots if (t := _find(r, dotted))}
+        graph[path] = found & set(files) - {path, None}
+    return graph
+
+
+def test_no_import_circle_in_the_repository() -> None:
+    graph = repo_import_graph()
+    scripts = REPO / "scripts"
+    assert {scripts / "gpu_check_common.py", scripts / "gpu_check_speed.py"} <= graph[scripts / "gpu_check.py"]
+    assert REPO / "scripts/bench/harness.py" in graph[REPO / "scripts/gpu_check_speed.py"]
+    assert REPO / "tests/helpers.py" in graph[REPO / "tests/parts/least_squares.py"]
+    assert REPO / "src/flx/hooks.py" in graph[REPO / "src/flx/federation.py"]
+    circle = _circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(str(p.relative_to(REPO)) for p in circle or [])
 
 
 FLOORS = (

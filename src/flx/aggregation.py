@@ -19,7 +19,7 @@ federation lends to its counters and to the parts' registered statistics, so the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -38,6 +38,11 @@ def flat_views(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     return views
 
 
+def numel(tensors: Iterable[Tensor]) -> int:
+    """The entries of ``tensors`` together: the length of their flat vector (of the model's, for ``fed.params``)."""
+    return sum(t.numel() for t in tensors)
+
+
 def buffer_dtype(like: Sequence[Tensor]) -> torch.dtype:
     """fp32 accumulation, or fp64 when the model itself is fp64."""
     return torch.float64 if any(t.dtype == torch.float64 for t in like) else torch.float32
@@ -47,11 +52,11 @@ class _FlatBuffer:
     """``regions`` tensor-list views plus ``extra`` scalars in one zero-initialised flat buffer."""
 
     def __init__(self, like: Sequence[Tensor], regions: int, extra: int, dtype: torch.dtype | None) -> None:
-        numel = sum(t.numel() for t in like)
+        n = numel(like)
         device = like[0].device if like else torch.device("cpu")
-        self._flat = torch.zeros(regions * numel + extra, dtype=dtype or buffer_dtype(like), device=device)
-        self._regions = [flat_views(self._flat[k * numel : (k + 1) * numel], like) for k in range(regions)]
-        self.extra = self._flat[regions * numel :]
+        self._flat = torch.zeros(regions * n + extra, dtype=dtype or buffer_dtype(like), device=device)
+        self._regions = [flat_views(self._flat[k * n : (k + 1) * n], like) for k in range(regions)]
+        self.extra = self._flat[regions * n :]
 
     def reset(self, expected_weight: float = 1.0) -> None:
         """Zeroes the buffer at a round start; ``expected_weight`` is the round's total weight if every client
@@ -193,7 +198,7 @@ class RoundStats:
 
     def numel(self) -> int:
         """Scalars needed in ``extra``: the counters and every statistic."""
-        return len(self.counter_names) + sum(t.numel() for t in self.likes())
+        return len(self.counter_names) + numel(self.likes())
 
     def bind(self, extra: Tensor) -> Tensor:
         """Lays the statistics out in ``extra`` and returns the counters' view."""

@@ -17,7 +17,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from flx.checkpoint_spec import check_checkpoint
-from flx.choices import AGGREGATORS, CLIENT_EVAL, DUPLICATES, FAULT_POLICIES, MINIBATCH, MODEL_INITS, SINGLE_ROW_BATCH
+from flx.choices import (
+    AGGREGATORS,
+    CLIENT_EVAL,
+    DUPLICATES,
+    FAULT_POLICIES,
+    MINIBATCH,
+    MODEL_INITS,
+    SERVER_OPTIMIZERS,
+    SINGLE_ROW_BATCH,
+)
 from flx.errors import LOOP_WHY, MAX_INT, MAX_LOOP, ConfigError, bad_value, count, number_error, one_line
 from flx.launch import DDP_STARTS, DDP_STRATEGIES, slurm_job_id
 from flx.resource_spec import check_server
@@ -128,8 +137,8 @@ def _check_algo(cfg: DictConfig) -> None:
         raise bad_value("algo.minibatch", cfg.algo.minibatch, f"allowed: {', '.join(MINIBATCH)}")
     if cfg.algo.get("aggregator", "mean") not in AGGREGATORS:
         raise bad_value("algo.aggregator", cfg.algo.aggregator, f"allowed: {', '.join(AGGREGATORS)}")
-    if cfg.algo.server.name not in ("sgd", "adam"):
-        raise bad_value("algo.server.name", cfg.algo.server.name, "allowed: sgd, adam")
+    if cfg.algo.server.name not in SERVER_OPTIMIZERS:
+        raise bad_value("algo.server.name", cfg.algo.server.name, f"allowed: {', '.join(SERVER_OPTIMIZERS)}")
     if cfg.partition.get("num_clients") is None and "path" in cfg.partition.keys():
         return  # partition=from_file takes the count from its file: checked when the partitioner is built
     _int(cfg, "partition.num_clients", 1)

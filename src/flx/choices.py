@@ -21,5 +21,7 @@ DUPLICATES = ("multiplicity", "repeat")
 copies) and :class:`flx.clients.ClientRunner`."""
 AGGREGATORS = ("mean", "count_mean", "admm_sum")
 """``algo.aggregator``: the keys of :data:`flx.aggregation.AGGREGATORS`, in that order."""
+SERVER_OPTIMIZERS = ("sgd", "adam")
+"""``algo.server.name``; owner :class:`flx.server.ServerOptimizer` (checked once, by the pre-run check)."""
 MINIBATCH = ("epochs", "fresh")
 """``algo.minibatch``: the keys of :data:`flx.sampling.MINIBATCH_STREAMS`, in that order."""

@@ -7,7 +7,8 @@ same client on either path:
 - :meth:`ClientRunner.make_client`: its seeds, weight and stored state (the round plan, :class:`flx.context.Round`);
 - :meth:`ClientRunner.step_rows`: each step's rows, the one minibatch dispatch (a part's ``sample_batch``, else the
   client's default stream ``fed.client_batches``);
-- :func:`flx.local_sgd.sgd_update`: the one step rule (``torch.optim.SGD``'s update, bitwise);
+- ``torch.optim.SGD``'s update rule: :class:`Sequential` steps ``fed.local_opt`` (through
+  :func:`flx.local_sgd.sgd_update` when it is plain SGD), ``Stacked`` steps with ``sgd_update``, that rule;
 - :meth:`ClientRunner.collect`: the client's end (``on_client_end``, the fault checks, the aggregate, the stored
   state).
 

@@ -47,7 +47,7 @@ class FederationConfig:
         clients_per_round: cohort size ``m``.
         local_steps: local minibatch steps ``K`` (ignored when ``local_epochs`` is set).
         local_epochs: if set, ``K = local_epochs * ceil(n_i / batch_size)`` per client.
-        lr: local step size ``eta``.
+        lr: local step size ``eta``, its one source: ``fed.local_opt``'s groups start from it, stacked steps read it.
         batch_size: local minibatch size ``B``.
         minibatch: how the ``K`` local minibatches are drawn (:data:`flx.sampling.MINIBATCH_STREAMS`): ``epochs``,
             reshuffled passes over the client's rows (the last batch of a pass short when ``B`` does not divide

@@ -71,8 +71,8 @@ class Federation(PartServices):
             object (rank order) and broadcast of rank 0's object; only called when ``world_size > 1``.
         rank, world_size: this process and the number of processes.
         step_context: the precision context of the local steps.
-        server: the server-side resources (:class:`flx.resources.ServerResources`: rows no client sees, frozen
-            models), or None.
+        resources: the server-side resources (:class:`flx.resources.ServerResources`: rows no client sees, frozen
+            models), or None; ``fed.server`` is the server's state (:class:`flx.state.ServerState`), not these.
     """
 
     def __init__(
@@ -88,7 +88,7 @@ class Federation(PartServices):
         step_context: Callable[[], AbstractContextManager] = nullcontext,
         gather: Callable[[Any], list[Any]] | None = None,
         broadcast: Callable[[Any], Any] | None = None,
-        server: Any = None,
+        resources: Any = None,
     ) -> None:
         self.spec = spec if isinstance(spec, FederationSpec) else FederationSpec(spec)
         cfg, self.store, self.system = self.spec.cfg, self.spec.store, self.spec.system
@@ -100,7 +100,7 @@ class Federation(PartServices):
         self.server, self.divergence = ServerState(), DivergenceWatch(cfg.diverge_factor, cfg.diverge_rounds)
         self.rnd: Round | None = None  # the current round, or the last one trained; None before the first
         self.faults = RoundFaults()  # the last round's left-out clients
-        self.reduce_sum, self.gather, self.resources = reduce_sum, gather, server
+        self.reduce_sum, self.gather, self.resources = reduce_sum, gather, resources
         self.store.bind_rank(rank, world_size)
         self.parts = list(parts)
         if len(self.spec.checked) != len(self.parts) or any(a is not b for a, b in zip(self.spec.checked, self.parts)):
@@ -113,6 +113,7 @@ class Federation(PartServices):
         self._attaching = None
         self.aggregator = self.buffer.allocate(self.local_state, cfg.aggregator)
         self.server_opt = ServerOptimizer(self.global_params, cfg.server)
+        # its lr derives from cfg.lr (algo.lr, the one source of eta); only a part's schedule moves it (CoDASCA stages)
         self.local_opt = torch.optim.SGD(self.params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         self.runner = (vectorized.Stacked if cfg.vectorize else Sequential)(self)
         # the last server steps' measurements, by step (1-based), for divergence_cause: what the optimizer did, and

@@ -107,7 +107,10 @@ class FederatedFitLoop(_FitLoop):
         self.setup_data()
         loader = self._combined_loader.flattened[0] if self._combined_loader is not None else None
         if not isinstance(loader, RoundLoader):
-            raise TypeError("flx needs the train dataloader to be a flx.loop.RoundLoader (use FederatedDataModule)")
+            raise TypeError(
+                "flx needs the train dataloader to be a flx.datamodules.round_loader.RoundLoader"
+                " (use FederatedDataModule)"
+            )
         try:
             rnd = _federation(self.trainer).begin_round(self.trainer.current_epoch)
         except RoundRefused as refusal:  # every rank refuses alike (the same draws and ledger): fit ends before it

@@ -163,7 +163,7 @@ class FederatedModule(pl.LightningModule):
             reduce_sum=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             gather=_all_gather_object,
             broadcast=trainer.strategy.broadcast,
-            server=getattr(dm, "server_resources", None),
+            resources=getattr(dm, "server_resources", None),
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             step_context=trainer.precision_plugin.train_step_context,

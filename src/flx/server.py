@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flx.errors import bad_value
-
 
 @dataclass(frozen=True)
 class ServerOptConfig:
@@ -76,12 +74,11 @@ class ServerOptimizer:
 
     Args:
         params: the global parameter tensors (persistent across rounds).
-        cfg: the server optimizer configuration.
+        cfg: the server optimizer configuration; ``cfg.name`` is one of :data:`flx.choices.SERVER_OPTIMIZERS`, as
+            the pre-run check (:func:`flx.checks.validate`, run by :func:`flx.run.train` too) has made sure.
     """
 
     def __init__(self, params: list[Tensor], cfg: ServerOptConfig) -> None:
-        if cfg.name not in ("sgd", "adam"):
-            raise bad_value("algo.server.name", cfg.name, "allowed: sgd, adam")
         self.params, self.cfg = params, cfg
         self.exact_mean = cfg.name == "sgd" and cfg.lr == 1.0 and cfg.momentum == 0.0 and cfg.weight_decay == 0.0
         self.state: dict[str, Any] = {"step": 0}

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from flx.datamodules import formats
+from flx.datamodules import datasets, formats
 from flx.datamodules.datasets import (
-    LOADERS,
     breast_cancer,
     cifar10,
     cifar100,
@@ -27,6 +26,7 @@ from flx.datamodules.datasets import (
     medmnist,
     mnist,
 )
+from flx.datamodules.files import DATASETS
 from flx.datamodules.store import TensorData
 from flx.errors import ConfigError
 
@@ -539,7 +539,9 @@ def test_every_loader_is_reachable_from_a_data_config() -> None:
     """Each registered loader is the target of some configs/data/*.yaml (directly or as a binarized source)."""
     configs = (Path(__file__).resolve().parents[2] / "configs" / "data").glob("*.yaml")
     text = "\n".join(c.read_text() for c in configs)
-    for name, loader in LOADERS.items():
+    assert set(DATASETS) == set(datasets.__all__)  # the registry holds every loader, and only loaders
+    for name in DATASETS:
+        loader = getattr(datasets, name)
         assert loader.__name__ == name
         assert f"_target_: flx.datamodules.datasets.{name}\n" in text, name
 

@@ -9,13 +9,12 @@ from pathlib import Path
 from helpers import raises_one_line
 
 from flx.datamodules import files
-from flx.datamodules.datasets import LOADERS
 
 BUNDLED = {"digits", "breast_cancer", "diabetes"}  # inside scikit-learn: no files to find
 
 
 def test_every_loader_with_files_has_a_locator() -> None:
-    assert set(files.LOCATORS) == set(LOADERS) - BUNDLED
+    assert {name for name, d in files.DATASETS.items() if d.locate is not None} == set(files.DATASETS) - BUNDLED
 
 
 def test_locate_unwraps_binarize_and_names_the_missing_files(tmp_path: Path) -> None:

@@ -89,9 +89,9 @@ def test_admm_iterates_match_the_hand_computation_with_l2_to_the_pm() -> None:
     theta <- (sum (y_i + rho theta_i) - lam 2 (theta - theta_p)) / (N rho), with w_i = D_i / sum D and the identity
     y_i = -w_i g_i (Eqs. 11-12; the paper's Eq. 83) after every round."""
     data, lam, pm = few_shot(), 0.3, _pm()
-    server = ServerResources(torch.empty(0, dtype=torch.long), {"pm": pm})
+    resources = ServerResources(torch.empty(0, dtype=torch.long), {"pm": pm})
     parts = [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=lam, rh="l2")]
-    fed = _fed(data, parts, resources=server)
+    fed = _fed(data, parts, resources=resources)
     theta, theta_p = flat(fed.params), flat(list(pm.parameters()))
     y = [torch.zeros_like(theta) for _ in SIZES]
     w = [n / sum(SIZES) for n in SIZES]
@@ -160,8 +160,9 @@ def test_client_uploads_do_not_depend_on_the_pm() -> None:
     data = few_shot()
     feds = []
     for seed in (5, 6):
-        server = ServerResources(torch.empty(0, dtype=torch.long), {"pm": _pm(seed)})
-        feds.append(_fed(data, [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=1.0, rh="l2")], resources=server))
+        resources = ServerResources(torch.empty(0, dtype=torch.long), {"pm": _pm(seed)})
+        parts = [MetaUpdate(alpha=ALPHA, rho=RHO), PMRegularizer(lam=1.0, rh="l2")]
+        feds.append(_fed(data, parts, resources=resources))
         run_rounds(feds[-1], 1)
     for cid in range(3):
         assert all(torch.equal(a, b) for a, b in zip(feds[0].store.get(cid).values(), feds[1].store.get(cid).values()))

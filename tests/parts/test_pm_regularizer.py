@@ -31,9 +31,9 @@ def _setup(pm_part: PMRegularizer, rounds: int = 0):
     rows = data.client_indices
     store = ClientStore(data.x, data.y, rows[:4], client_support=[r[: len(r) // 2] for r in rows[:4]])
     pm = _net(7).requires_grad_(False).eval()
-    server = ServerResources(rows[4], {"pm": pm})
+    resources = ServerResources(rows[4], {"pm": pm})
     kw = dict(clients_per_round=4, local_steps=0, aggregator="admm_sum", weighting="uniform", lr=1.0)
-    fed = make_fed(_net(), store, [MetaUpdate(alpha=0.1, rho=RHO), pm_part], resources=server, **kw)
+    fed = make_fed(_net(), store, [MetaUpdate(alpha=0.1, rho=RHO), pm_part], resources=resources, **kw)
     run_rounds(fed, rounds)
     return fed, store, pm, rows[4]
 

@@ -1,9 +1,9 @@
 """Dataset loaders: each reads one dataset from disk (or from scikit-learn) into a :class:`TensorData`.
 
-Every loader is a plain function with keyword arguments, usable as a Hydra ``_target_``. The on-disk
-loaders take ``root`` (the data directory) first and read the files themselves: nothing is ever
-downloaded, and a missing, corrupt or misconfigured dataset raises :class:`~flx.errors.ConfigError`
-with a one-line message saying where the files must go and in what format.
+Every loader is a plain function with keyword arguments, usable as a Hydra ``_target_``, with its record in the one
+registry of datasets, :data:`flx.datamodules.files.DATASETS`. The on-disk loaders take ``root`` (the data directory)
+first and read the files themselves: nothing is ever downloaded, and a missing, corrupt or misconfigured dataset
+raises :class:`~flx.errors.ConfigError` with a one-line message saying where the files must go and in what format.
 
 Formats read here:
 
@@ -27,7 +27,7 @@ carving the validation split (:mod:`flx.datamodules.protocol`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,6 @@ from flx.datamodules.store import TensorData
 from flx.datamodules.wikitext import wikitext2
 
 __all__ = [
-    "LOADERS",
     "adult",
     "breast_cancer",
     "cifar10",
@@ -395,19 +394,3 @@ def medmnist(
         splits.append((x, y))
     suffix = "" if size == 28 else f"_{size}"
     return _image_data(splits[0], splits[1], num_classes, f"{name}{suffix}", standardize)
-
-
-LOADERS: dict[str, Callable[..., TensorData]] = {
-    "digits": digits,
-    "breast_cancer": breast_cancer,
-    "diabetes": diabetes,
-    "mnist": mnist,
-    "fashion_mnist": fashion_mnist,
-    "emnist": emnist,
-    "cifar10": cifar10,
-    "cifar100": cifar100,
-    "medmnist": medmnist,
-    "adult": adult,
-    "shakespeare": shakespeare,
-    "wikitext2": wikitext2,
-}

@@ -1,4 +1,4 @@
-"""Where each on-disk dataset's files must be, checked without torch or numpy.
+"""Where each on-disk dataset's files must be, checked without torch or numpy; and the one registry of datasets.
 
 The loaders (:mod:`flx.datamodules.datasets`, :mod:`~flx.datamodules.adult`, :mod:`~flx.datamodules.shakespeare`,
 :mod:`~flx.datamodules.wikitext`) find their files through the functions here, and the pre-run check
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,32 +181,56 @@ def wikitext2(root: str, use_valid: bool = True) -> dict[str, Path]:
     return find_files("wikitext2", "WikiText-2", data_dir(root) / "wikitext-2", names, expected, gz=False)
 
 
-LOCATORS: dict[str, Callable[..., Any]] = {
-    "mnist": mnist,
-    "fashion_mnist": fashion_mnist,
-    "emnist": emnist,
-    "cifar10": cifar10,
-    "cifar100": cifar100,
-    "medmnist": medmnist,
-    "adult": adult,
-    "shakespeare": shakespeare,
-    "wikitext2": wikitext2,
+@dataclass(frozen=True)
+class Dataset:
+    """One dataset flx reads: the record that ties its loader to the function that finds its files.
+
+    Attributes:
+        name: the loader's name in :mod:`flx.datamodules.datasets` (its ``_target_`` is :attr:`target`).
+        locate: finds and checks its files (this module's function of the same name); None for data inside
+            scikit-learn, which has no files to find.
+    """
+
+    name: str
+    locate: Callable[..., Any] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"flx.datamodules.datasets.{self.name}"
+
+
+DATASETS: dict[str, Dataset] = {
+    d.name: d
+    for d in (
+        Dataset("digits"),
+        Dataset("breast_cancer"),
+        Dataset("diabetes"),
+        Dataset("mnist", mnist),
+        Dataset("fashion_mnist", fashion_mnist),
+        Dataset("emnist", emnist),
+        Dataset("cifar10", cifar10),
+        Dataset("cifar100", cifar100),
+        Dataset("medmnist", medmnist),
+        Dataset("adult", adult),
+        Dataset("shakespeare", shakespeare),
+        Dataset("wikitext2", wikitext2),
+    )
 }
-"""Loader name in :mod:`flx.datamodules.datasets` -> the function that finds its files."""
+"""The datasets' one registry (loader name -> record), kept here, without torch, so the pre-run check can read it."""
 
 
 def locate(loader: Mapping[str, Any]) -> None:
     """Checks the files of a ``data.loader`` config (unwrapping ``binarize``'s ``source``); raises one line if absent.
 
-    Loaders not listed in :data:`LOCATORS` (bundled or generated data) need no files.
+    Loaders without a locator in :data:`DATASETS` (bundled or generated data) need no files.
     """
     target = str(loader.get("_target_", ""))
     if target.endswith(".binarize") and isinstance(loader.get("source"), Mapping):
         return locate(loader["source"])
-    module, _, name = target.rpartition(".")
-    if module != "flx.datamodules.datasets" or name not in LOCATORS:
+    dataset = DATASETS.get(target.rpartition(".")[2])
+    if dataset is None or dataset.locate is None or target != dataset.target:
         return None
-    find = LOCATORS[name]
+    find = dataset.locate
     accepted = inspect.signature(find).parameters
     find(**{k: v for k, v in loader.items() if k in accepted})
     return None

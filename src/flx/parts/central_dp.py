@@ -47,6 +47,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx import privacy
+from flx.aggregation import numel
 from flx.clipping import clip_factors
 from flx.errors import ConfigError, bad_value
 from flx.parts.dp_budget import Budgeted, BudgetParams
@@ -262,7 +263,7 @@ class CentralDP(Budgeted):
         update, mech = fed.update_norm(step), self.mechanism
         if update is None or mech is None:
             return None
-        d, sigma, p = sum(t.numel() for t in fed.local_state), self._update_sigma(), self.params
+        d, sigma, p = numel(fed.local_state), self._update_sigma(), self.params
         noise = self.noise_norm(d)
         if not noise > update:
             return None

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.aggregation import flat_views
+from flx.aggregation import flat_views, numel
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.local_sgd import grads_of
@@ -117,12 +117,12 @@ class Codasca(FederatedCallback):
     def on_attach(self, fed: FederationView) -> None:
         # (a, b, alpha) weighted sums (3), weight sum (1), sum of c_i^new - c_i (n + 3): this rank's clients, summed
         # over ranks by the round's all-reduce; in the model's dtype, as the server state c and (a, b, alpha)
-        fed.register_stat(_SUMS, torch.zeros(4 + self._numel(fed) + 3, dtype=fed.params[0].dtype))
+        fed.register_stat(_SUMS, torch.zeros(4 + numel(fed.params) + 3, dtype=fed.params[0].dtype))
 
     # ------------------------------------------------------------------ server
     @override
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
-        st, n = self.state, self._numel(fed)
+        st, n = self.state, numel(fed.params)
         if not st:
             like = fed.params[0]
             rows = torch.cat(list(fed.data.client_indices[: fed.num_clients]))  # the training clients
@@ -169,10 +169,6 @@ class Codasca(FederatedCallback):
         self.state["ref_count"] += 1
 
     # ------------------------------------------------------------------ client
-    @staticmethod
-    def _numel(fed: FederationView) -> int:
-        return sum(p.numel() for p in fed.params)
-
     @override
     def on_client_start(self, fed: FederationView, client: ClientContext) -> None:
         st = self.state
@@ -188,7 +184,7 @@ class Codasca(FederatedCallback):
             "corr": (st["c"] - ci) if self.params.control == "grad_mean" else torch.zeros_like(ci),
             "acc": torch.zeros_like(ci),
         }
-        s, n = client.extras["codasca"], self._numel(fed)
+        s, n = client.extras["codasca"], numel(fed.params)
         s["corr_w"], s["acc_w"] = flat_views(s["corr"][:n], fed.params), flat_views(s["acc"][:n], fed.params)
 
     @override
@@ -202,7 +198,7 @@ class Codasca(FederatedCallback):
     @torch.no_grad()
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
         p, st, s, lr = self.params, self.state, client.extras["codasca"], self.lr
-        n, wd, corr, ref = self._numel(fed), fed.cfg.weight_decay, s["corr"], st["ref"]
+        n, wd, corr, ref = numel(fed.params), fed.cfg.weight_decay, s["corr"], st["ref"]
         # per parameter tensor, no flattening: g <- clip(g) + (c - c_i) + (w - w_ref) / gamma; c_i sums the raw g
         grads = grads_of(fed.params)
         torch._foreach_add_(s["acc_w"], grads)

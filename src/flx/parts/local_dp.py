@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from flx import privacy
+from flx.aggregation import numel
 from flx.autodiff import row_grads
 from flx.clipping import LinearRows, NotRowwise, clipped_sum
 from flx.errors import ConfigError, bad_value
@@ -367,7 +368,7 @@ class LocalDP(Budgeted):
         update, rnd = fed.update_norm(step), fed.rnd
         if update is None or rnd is None or not self.sizes:
             return None
-        d = sum(p.numel() for p in fed.params)
+        d = numel(fed.params)
         weights = {c: rnd.weights[c] * k for c, k in zip(rnd.cohort, rnd.multiplicity) if c in self.sizes}
         noise = self.noise_norm(d, fed.cfg.lr, {c: fed.client_steps(c) for c in weights}, weights)
         if not 2 * noise**2 > update**2:

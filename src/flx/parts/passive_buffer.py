@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from flx.aggregation import flat_views
+from flx.aggregation import flat_views, numel
 from flx.errors import ConfigError, bad_value, check_fields
 from flx.hooks import FederatedCallback
 from flx.local_sgd import grads_of
@@ -184,7 +184,7 @@ class PassiveBuffer(FederatedCallback):
                 likes.append(torch.zeros(ends[-1], dtype=dtype))
             fed.register_stat(_POOLS, [*likes, torch.zeros(fed.num_clients, dtype=dtype)])
         if self.server_momentum:
-            fed.register_stat(_MOMENTUM, [torch.zeros(self._numel(fed), dtype=dtype), torch.zeros(1, dtype=dtype)])
+            fed.register_stat(_MOMENTUM, [torch.zeros(numel(fed.params), dtype=dtype), torch.zeros(1, dtype=dtype)])
 
     # ------------------------------------------------------------------ server
     @override
@@ -216,17 +216,13 @@ class PassiveBuffer(FederatedCallback):
         """``h(w; z)``: the binary margin ``z`` (:mod:`flx.models.heads`), squashed by a sigmoid by default."""
         return heads.binary_score(outputs, self.params.score)
 
-    @staticmethod
-    def _numel(fed: FederationView) -> int:
-        return sum(p.numel() for p in fed.params)
-
     def _start_momentum(self, fed: FederationView, client: ClientContext) -> Tensor:
         """``m`` at the round's first step: the server mean ``G_bar``, or the client's own (``momentum_sync``)."""
         if self.params.momentum_sync == "client" and "m" in client.state:
             return client.state["m"].clone()
         if self.params.momentum_sync == "server" and self.gbar is not None:
             return self.gbar.clone()
-        return torch.zeros(self._numel(fed), dtype=fed.params[0].dtype, device=fed.params[0].device)
+        return torch.zeros(numel(fed.params), dtype=fed.params[0].dtype, device=fed.params[0].device)
 
     @override
     def on_client_start(self, fed: FederationView, client: ClientContext) -> None:

@@ -4,6 +4,6 @@
 settings and their checks), :mod:`~flx.systems.traces` (seeded per-round link and load), :mod:`~flx.systems.simulator`
 (``LatencySimulator``: device, unit and round times), :mod:`~flx.systems.clock` (``SimClock``: the run's simulated
 wall-clock). A run built with ``system=mobile20`` hands the simulator to the federation (``fed.system``); parts query it
-and record the width each client trains at with ``fed.set_width``. Nothing is imported here: the pre-run check imports
-:mod:`~flx.systems.params` without numpy.
+and record the width each client trains at with ``rnd.set_width`` (:meth:`flx.context.Round.set_width`). Nothing is
+imported here: the pre-run check imports :mod:`~flx.systems.params` without numpy.
 """
