@@ -103,8 +103,9 @@ class Federation(PartServices):
         self.reduce_sum, self.gather, self.resources = reduce_sum, gather, resources
         self.store.bind_rank(rank, world_size)
         self.parts = list(parts)
-        if len(self.spec.checked) != len(self.parts) or any(a is not b for a, b in zip(self.spec.checked, self.parts)):
-            composition.check(Build(cfg, net, tuple(self.parts), data, self.system, server))  # without the run's checks
+        checked = self.spec.checked  # the parts the run's build checked: a federation built directly checks its own
+        if len(checked) != len(self.parts) or any(a is not b for a, b in zip(checked, self.parts)):
+            composition.check(Build(cfg, net, tuple(self.parts), data, self.system, resources))
         self._hooked = {h: [p for p in self.parts if overrides(p, h)] for h in HOOKS}
         self._attaching: FederatedCallback | None = None  # the part whose on_attach runs (register_stat checks it)
         for part in self._hooked["on_attach"]:  # parts register their statistics before the buffer is laid out
