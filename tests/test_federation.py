@@ -150,7 +150,7 @@ def test_client_weight_is_sample_count_times_multiplicity() -> None:
     rec = _Recorder()
     fed = make_fed(linear(), toy_data([4, 6, 9]), parts=[Twice(), rec], clients_per_round=2)
     run_rounds(fed, 1)
-    assert fed.rnd.cohort == (1, 2) and fed.rnd.multiplicity == (2, 1)
+    assert fed.rnd.cohort == (1, 2) and tuple(fed.rnd.draws[c] for c in fed.rnd.cohort) == (2, 1)
     assert rec.weights == {1: 12.0, 2: 9.0}
 
 
@@ -236,14 +236,14 @@ class _Draws(FederatedCallback):
 
 
 class _Runs(FederatedCallback):
-    """Records every local run's model, weight, draws and copy index, in training order."""
+    """Records every local run's model, weight, the draws it stands for and copy index, in training order."""
 
     def __init__(self) -> None:
         self.runs: list[tuple[int, int, int, float, list[torch.Tensor]]] = []
 
     def on_client_end(self, fed, client) -> None:
         local = [p.detach().clone() for p in fed.params]
-        self.runs.append((client.cid, client.copy, client.draws, client.weight, local))
+        self.runs.append((client.cid, client.copy, client.stands_for, client.weight, local))
 
 
 def _local_sgd(data, cid: int, seed: int, lr: float, steps: int, batch: int) -> list[torch.Tensor]:
@@ -279,7 +279,11 @@ def test_repeat_trains_each_draw_as_an_independent_local_run() -> None:
     net = linear(dtype=torch.float64)
     fed = make_fed(net, data, parts=[_Draws([1, 2, 1]), rec], duplicates="repeat", **REPEAT_KW)
     run_rounds(fed, 1)
-    assert fed.rnd.cohort == (1, 2) and fed.rnd.multiplicity == (2, 1) and fed.rnd.shard == (1, 1, 2)
+    assert (
+        fed.rnd.cohort == (1, 2)
+        and tuple(fed.rnd.draws[c] for c in fed.rnd.cohort) == (2, 1)
+        and fed.rnd.shard == (1, 1, 2)
+    )
     assert [(c, j, d, w) for c, j, d, w, _ in rec.runs] == [(1, 0, 1, 6.0), (1, 1, 1, 6.0), (2, 0, 1, 9.0)]
     s = REPEAT_KW["seed"]
     w1a, w1b = (_local_sgd(data, 1, seed, 0.3, 3, 2) for seed in (derive_seed(s, 0, 1), derive_seed(s, 0, 1, 1)))
@@ -305,7 +309,7 @@ PINNED_SUM = "-0x1.83f3b07e00002p-1"
 
 
 def test_multiplicity_is_one_run_with_k_times_the_weight_and_is_the_default() -> None:
-    """duplicates=multiplicity (the default): client 1 drawn twice trains once (copy 0, draws = 2, weight 2 n_1);
+    """duplicates=multiplicity (the default): client 1 drawn twice trains once (copy 0, stands_for = 2, weight 2 n_1);
     the model is the one of the code before the option existed (to a few ulps across CPUs), and equals (to rounding:
     the pre-divided weights differ) the cohort (1, 2) with client 1's weight doubled by hand."""
     data = toy_data([4, 6, 9], dtype=torch.float64)

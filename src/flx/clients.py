@@ -46,7 +46,7 @@ class ClientRunner:
         fed = self.fed
         rnd, cfg = self.round, fed.cfg
         copy = rnd.next_copy(cid)
-        draws = 1 if cfg.duplicates == "repeat" else rnd.draws[cid]
+        stands_for = 1 if cfg.duplicates == "repeat" else rnd.draws[cid]
         # copy 0 keeps the 3-word seed, so a client drawn once trains bitwise alike in both modes
         if copy or cid not in rnd.seeds:  # copy 0 of the shard's clients: drawn at once in begin_round
             seed = derive_seed(cfg.seed, rnd.round, cid, *((copy,) if copy else ()))
@@ -62,9 +62,9 @@ class ClientRunner:
             state = {k: v.clone() for k, v in rnd.start_states[cid].items()}
         else:
             state = fed.store.get(cid, fed.params[0].device) if cid in fed.store else {}
-        weight = float(rnd.weights[cid] * draws)
+        weight = float(rnd.weights[cid] * stands_for)
         n, steps = fed.num_samples(cid), fed.client_steps(cid)
-        return ClientContext(cid, rnd, n, steps, weight, self.generator, state, draws=draws, copy=copy)
+        return ClientContext(cid, rnd, n, steps, weight, self.generator, state, stands_for=stands_for, copy=copy)
 
     def start(self, cid: int) -> ClientContext:
         """:meth:`make_client` and the parts' ``on_client_start``, with the global model in the net."""

@@ -132,10 +132,10 @@ class Round:
         round: the round index ``t`` (0-based).
         rank, world_size: this process and the number of processes.
         cohort: the distinct sampled client ids, sorted.
-        multiplicity: the times each cohort id was drawn.
         shard: the ids this rank trains (an id repeats when ``duplicates=repeat`` gives it copies here).
         slots: the clients of the busiest shard (every rank knows it: the round's length on the slowest rank).
-        draws: the times each cohort client was drawn (``multiplicity`` by id).
+        draws: the times each cohort client was drawn, by id (in cohort order:
+            ``tuple(rnd.draws[c] for c in rnd.cohort)``).
         weights: each cohort client's aggregation weight for one draw, ``p_i`` (``n_i``, or 1: ``algo.weighting``).
         seeds: this rank's clients' seeds for their first copy, ``derive_seed(seed, t, i)``.
         copies: this rank's copy numbers of each client, in training order (``duplicates=repeat``; else empty).
@@ -149,7 +149,6 @@ class Round:
     ):
         self.round, self.rank, self.world_size = round, rank, world_size
         self.cohort: tuple[int, ...] = ()
-        self.multiplicity: tuple[int, ...] = ()
         self.shard: tuple[int, ...] = ()
         self.slots = 0
         self.draws: dict[int, int] = {}
@@ -212,6 +211,11 @@ class ClientContext:
 
     ``masks``: 0/1 tensors shaped like ``fed.local_state`` (parameters, then float buffers) saying which entries this
     client holds; the ``count_mean`` aggregator averages each entry over the clients that hold it (None: all).
+
+    ``stands_for``: the cohort draws this local run counts for, the factor of its weight: ``rnd.draws[cid]`` (``k``)
+    under ``algo.duplicates=multiplicity`` (one run for ``k`` draws), 1 under ``repeat`` (one run per draw). Not named
+    ``draws`` or ``multiplicity``: both would read as the client's count in the cohort (``rnd.draws[cid]``), which
+    under ``repeat`` is ``k`` while each run stands for one draw. Parts that scale by the draws read this.
     """
 
     cid: int
@@ -226,7 +230,7 @@ class ClientContext:
     rows: Tensor | None = None  # the step's row indices into the store (``batch`` is ``x[rows], y[rows]``)
     outputs: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
-    draws: int = 1  # cohort draws this local run stands for (its weight's factor): k (multiplicity) or 1 (repeat)
+    stands_for: int = 1  # the draws this run counts for (see above): k (multiplicity) or 1 (repeat)
     copy: int = 0  # which of the client's k runs this is (duplicates=repeat), 0 otherwise
     masks: list[Tensor] | None = None
 

@@ -173,7 +173,6 @@ class Federation(PartServices):
         """``rnd`` with its draws: the distinct clients (``cohort``) and how often each was drawn."""
         rnd.draws = Counter(self.sample(rnd.round))
         rnd.cohort = tuple(sorted(rnd.draws))
-        rnd.multiplicity = tuple(rnd.draws[c] for c in rnd.cohort)
         return rnd
 
     def refusal(self, round_idx: int) -> str | None:
@@ -198,7 +197,7 @@ class Federation(PartServices):
         # a cohort with fewer distinct runs than ranks (e.g. drawn with replacement) leaves ranks idle: they run
         # an empty batch and add nothing to the aggregate
         repeat = self.cfg.duplicates == "repeat"
-        runs = [c for c, k in zip(rnd.cohort, rnd.multiplicity) for _ in range(k if repeat else 1)]
+        runs = [c for c in rnd.cohort for _ in range(rnd.draws[c] if repeat else 1)]
         shards = shard_greedy(runs, [self.expected_cost(c) for c in runs], self.world_size)
         rnd.shard, rnd.slots = tuple(shards[self.rank]), max(len(s) for s in shards)
         rnd.copies, repeated = number_copies(shards, self.rank)
@@ -207,7 +206,7 @@ class Federation(PartServices):
         rnd.seeds = dict(zip(mine, derive_seeds(self.cfg.seed, round_idx, np.array(mine, dtype=np.int64)).tolist()))
         self.model.snapshot()
         # the weighted mean adds weights pre-divided by the round's expected total: one client's mean is its model
-        self.aggregator.reset(sum(rnd.weights[c] * k for c, k in zip(rnd.cohort, rnd.multiplicity)))
+        self.aggregator.reset(sum(rnd.weights[c] * rnd.draws[c] for c in rnd.cohort))
         if self.divergence.needs_reference():  # the global model is the initial one: this rank's share of L_0
             rows = reference_rows(self.data.client_indices, rnd.cohort, self.rank, self.world_size)
             if rows is not None:
@@ -224,9 +223,9 @@ class Federation(PartServices):
         ``n_i``)."""
         return self.client_steps(cid) * min(self.cfg.batch_size, self.num_samples(cid))
 
-    def base_weight(self, cid: int, multiplicity: int) -> float:
+    def base_weight(self, cid: int, draws: int) -> float:
         """Aggregation weight before parts adjust it: ``n_i`` (or 1) times the times ``i`` was drawn."""
-        return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * multiplicity)
+        return float((self.num_samples(cid) if self.cfg.weighting == "num_samples" else 1) * draws)
 
     def load_global(self) -> None:
         """Copies the round's global model into the net (in place, no allocation)."""

@@ -133,7 +133,7 @@ class FederatedCallback(Callback):
         (:meth:`~flx.federation.Federation.register_stat`) and create per-round state (no ``hasattr`` later)."""
 
     def sample_clients(self, fed: FederationView, round_idx: int, rng: np.random.Generator) -> Sequence[int] | None:
-        """Returns the cohort (client ids; repeats allowed and count as multiplicity), or None to defer."""
+        """Returns the cohort (client ids; repeats allowed, counted in ``rnd.draws``), or None to defer."""
         return None
 
     def refuse_round(self, fed: FederationView, rnd: Round) -> str | None:

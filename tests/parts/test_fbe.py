@@ -266,7 +266,7 @@ def test_fbe_with_drfa_lambda_sampling_draws_the_cohort_from_lambda() -> None:
         rnd = fed.begin_round(r)
         rng = np.random.default_rng(derive_seed(seed, r, SAMPLE_TAG))
         ids, counts = np.unique(rng.choice(n, size=m, replace=True, p=(lam / lam.sum()).numpy()), return_counts=True)
-        assert rnd.cohort == tuple(ids.tolist()) and rnd.multiplicity == tuple(counts.tolist())
+        assert rnd.cohort == tuple(ids.tolist()) and tuple(rnd.draws[c] for c in rnd.cohort) == tuple(counts.tolist())
         for cid in rnd.shard:
             fed.train_client(cid)
         fed.end_round()

@@ -68,7 +68,8 @@ def _snapshot_and_mean(data: ClientStore, w0: list[torch.Tensor], rnd, tau: int,
     """The averaged snapshot (after j local steps) and the new global model, both weighted by multiplicity."""
     j = int(np.random.default_rng(derive_seed(SEED, rnd.round, _SNAPSHOT_TAG)).integers(1, tau + 1))
     snaps, finals, weights = [], [], []
-    for cid, mult in zip(rnd.cohort, rnd.multiplicity):
+    for cid in rnd.cohort:
+        mult = rnd.draws[cid]
         x, y = data.x[data.client_indices[cid]], data.y[data.client_indices[cid]]
         snaps.append(_gd(w0, x, y, lr, j, mu))
         finals.append(_gd(w0, x, y, lr, tau, mu))
@@ -142,7 +143,7 @@ def test_uniform_weighted_aggregation_of_the_authors_code() -> None:
     fed = _fed(net, [part], data, tau=tau, m=m, lr=lr)
     run_rounds(fed, 1)
     lam0 = torch.tensor([6, 9, 5, 7], dtype=torch.float64) / 27
-    assert fed.rnd.multiplicity == (1, 1)
+    assert tuple(fed.rnd.draws[c] for c in fed.rnd.cohort) == (1, 1)
     expected = [t.clone() for t in w0]
     for cid in fed.rnd.cohort:
         wi = _gd(w0, data.x[data.client_indices[cid]], data.y[data.client_indices[cid]], lr, tau)

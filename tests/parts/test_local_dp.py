@@ -37,7 +37,6 @@ def _drawn(round_idx: int, draws: dict[int, int]) -> Round:
     """A planned round whose draws are ``draws`` (client: times drawn), as ``refuse_round`` sees it."""
     rnd = Round(round_idx, 0, 1)
     rnd.draws, rnd.cohort = Counter(draws), tuple(sorted(draws))
-    rnd.multiplicity = tuple(draws[c] for c in rnd.cohort)
     return rnd
 
 

@@ -369,7 +369,7 @@ class LocalDP(Budgeted):
         if update is None or rnd is None or not self.sizes:
             return None
         d = numel(fed.params)
-        weights = {c: rnd.weights[c] * k for c, k in zip(rnd.cohort, rnd.multiplicity) if c in self.sizes}
+        weights = {c: rnd.weights[c] * rnd.draws[c] for c in rnd.cohort if c in self.sizes}
         noise = self.noise_norm(d, fed.cfg.lr, {c: fed.client_steps(c) for c in weights}, weights)
         if not 2 * noise**2 > update**2:
             return None

@@ -116,7 +116,7 @@ class QFFL(FederatedCallback):
     @override
     @torch.no_grad()
     def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
-        draws = client.draws  # k under duplicates=multiplicity (one run for k draws), 1 per run under repeat
+        draws = client.stands_for  # k under duplicates=multiplicity (one run for k draws), 1 per run under repeat
         diff = torch._foreach_sub(fed.params, fed.global_params)  # w_k - w^t
         sq_dist = float(torch.stack(torch._foreach_norm(diff)).double().square().sum())
         a, h = qffl_terms(client.extras.pop("qffl_loss"), sq_dist, self.params.q, self.L)
