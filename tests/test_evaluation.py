@@ -20,6 +20,7 @@ from flx.datamodules.client_eval import ClientRows
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.module import FederatedModule
+from flx.module_logging import Reporter
 from flx.run import build
 
 f64 = torch.float64
@@ -153,14 +154,14 @@ def test_evaluation_work_runs_on_validated_rounds_only(tmp_path: Path, monkeypat
         original = getattr(owner, name)
 
         def counted(first, *args, **kwargs):
-            fed = first if isinstance(first, Federation) else first.federation
+            fed = first if isinstance(first, Federation) else getattr(first, "module", first).federation
             calls[key or name].append(fed.server.round)
             return original(first, *args, **kwargs)
 
         monkeypatch.setattr(owner, name, counted)
 
     spy(FederatedModule, "validation_step")
-    spy(FederatedModule, "_log_client_table")
+    spy(Reporter, "client_table")  # the module's logging: its first argument is the Reporter
     spy(Federation, "evaluate_clients")
     spy(Federation, "eval_loss")
     spy(client_loss, "client_train_losses")
@@ -168,7 +169,7 @@ def test_evaluation_work_runs_on_validated_rounds_only(tmp_path: Path, monkeypat
     dm, module, trainer = build(precheck([*SMALL, f"paths.output_dir={tmp_path}"]))
     trainer.fit(module, datamodule=dm)
     assert module.federation.server.round == 7
-    for key in ("validation_step", "_log_client_table", "evaluate_clients", "client_train_losses", "global_sums"):
+    for key in ("validation_step", "client_table", "evaluate_clients", "client_train_losses", "global_sums"):
         assert sorted(set(calls[key])) == [3, 6], key
     assert calls["eval_loss"] == [0]  # once, before round 1: the divergence rule's L_0 (flx.faults.DivergenceWatch)
     assert calls["client_train_losses"] == calls["evaluate_clients"] == [3, 6]  # once per validation

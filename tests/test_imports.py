@@ -168,7 +168,7 @@ FLOORS = (
     # 3: the orchestrator
     "federation",
     # 4: Lightning: the loop, the module, the process callbacks
-    "loop module callbacks",
+    "loop module module_eval module_logging callbacks",
     # 5: composition: the pre-run check, the composition root, the command line
     "config checks run cli",
 )

@@ -4,7 +4,7 @@ Lightning's ``CSVLogger`` removes an existing ``metrics.csv`` when its folder is
 its own output folder (``ckpt_path=auto`` after a crash or a SLURM requeue) would lose the rounds logged before
 the crash. :class:`CSVLogger` appends instead: the earlier rows are kept, and new columns widen the file.
 Values logged for one step in several calls before the file is written (a round's counters, sent straight to the
-loggers by ``FederatedModule.log_round``, then Lightning's row of its epoch-end metrics) share one row.
+loggers by ``flx.module_logging.Reporter.log_round``, then Lightning's row of its epoch-end metrics) share one row.
 A round that was logged, then replayed after resuming from an earlier checkpoint, appears twice, with the same
 values (a resumed run recomputes it exactly). A file a kill cut in the middle of a row is first cut back to its last
 whole row (:func:`repair_torn`, with a warning): appended rows never glue onto a broken line.

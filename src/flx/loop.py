@@ -86,7 +86,7 @@ class FederatedFitLoop(_FitLoop):
         elif self.trainer.current_epoch + 1 < (self.trainer.max_epochs or 0):
             self._look_ahead(_federation(self.trainer))
         super().on_advance_end()
-        # the round's row (FederatedModule.log_round, joined by what Lightning logged at the round's end) is written
+        # the round's row (Reporter.log_round, joined by what Lightning logged at the round's end) is written
         # now, whether or not Lightning had a row of its own to write
         for logger in self.trainer.loggers:
             logger.save()

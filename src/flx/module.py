@@ -1,19 +1,19 @@
-"""``FederatedModule``: the LightningModule of a federated run.
+"""``FederatedModule``: the LightningModule of a federated run, and its build.
 
 It owns the single reused net, the :class:`~flx.federation.Federation` and the task (:mod:`flx.tasks`: the loss the
-local steps minimise and the evaluation metrics). ``training_step`` receives a client id (one "batch" = one client)
-and trains that client; evaluation of the global model runs in Lightning's validation/test loops: ``val/*`` on the
-validation split (``data.val_fraction`` of the training rows), ``test/*`` on the test split (also inside the
-validation loop with ``eval_test``). Metric keys (the task's): classification ``val/acc``, ``val/loss``,
-``val/client_acc_{mean,worst,std}``, binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``; regression
-``val/loss``, ``val/mse``, ``val/rmse``, ``val/client_mse_{mean,worst,std}``; ``test/*`` likewise, round-level keys
-under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local iterations per client so far,
-``cohort``, ``samples``), simulated time under ``sim/`` (``round_time``, ``clock``: seconds, with a ``system``).
+local steps minimise and the evaluation metrics). ``training_step`` receives a round's shard of client ids (the
+round is one Lightning batch) and trains them; evaluation of the global model runs in Lightning's validation/test
+loops. This file holds the build (the federation, whole, when a fit or a lone validate / test starts), the training
+hooks and the checkpoint hooks; the module delegates the rest, each concern to one place:
+
+- :mod:`flx.module_eval` (:class:`~flx.module_eval.Evaluator`): the validation/test steps and epoch ends, the
+  divergence check, the personalised models' evaluation;
+- :mod:`flx.module_logging` (:class:`~flx.module_logging.Reporter`, :func:`~flx.module_logging.metric_names`): what
+  is logged and under which keys: the round's row, the evaluation's metrics, W&B's per-client tables.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -24,41 +24,13 @@ from lightning.pytorch.loggers import WandbLogger
 from torch import Tensor, nn
 from typing_extensions import override
 
-from flx.faults import Diverged
 from flx.federation import Federation, FederationSpec
-from flx.hooks import FederatedCallback, overrides
-from flx.metrics.client_summary import SPREAD, spread, summarize
+from flx.hooks import FederatedCallback
 from flx.metrics.dtype import logged_dtype
-from flx.metrics.sync import reduce_sums, summed
+from flx.module_eval import Evaluator
+from flx.module_logging import Reporter
+from flx.module_logging import metric_names as metric_names  # re-exported: flx.run and the tests import it from here
 from flx.tasks import Classification, Task
-from flx.wandb_logging import ROUND, log_wandb, wandb_loggers
-
-
-def metric_names(task: Task, parts: list[Any], datamodule: Any, simulated: bool) -> tuple[str, ...]:
-    """Every key a run of this module logs into Lightning's metrics during fit (``trainer.callback_metrics``: what
-    ``checkpoint.monitor`` may name), known at build time: ``train/loss``, ``fl/round``, ``sim/round_time`` and
-    ``sim/clock`` (``simulated``: a ``system``), each evaluated split's task metrics (:meth:`Task.metric_names`) and
-    personalised summaries (``{split}/personal_<key>_{mean,worst,p10}`` with a part that personalises), and the parts'
-    own (``traits.metrics``; ``{split}`` expanded, ``*`` patterns kept).
-
-    Args:
-        task: the run's task.
-        parts: the algorithm's parts (others are skipped).
-        datamodule: the set-up :class:`~flx.datamodules.datamodule.FederatedDataModule`.
-        simulated: whether the run has a simulated system (``system=``).
-    """
-    fed_parts = [p for p in parts if isinstance(p, FederatedCallback)]
-    names = ["train/loss", ROUND, *(("sim/round_time", "sim/clock") if simulated else ())]
-    personal = any(overrides(p, "personalize") for p in fed_parts)
-    splits = list(dict.fromkeys(loader.split for loader in datamodule.eval_plan("val")))
-    for split in splits:
-        rows = datamodule.has_client_rows(split)
-        names += [f"{split}/{n}" for n in task.metric_names(datamodule.data.num_classes, rows)]
-        names += [f"{split}/personal_{task.client_key}_{k}" for k in SPREAD] if personal and rows else []
-    for part in fed_parts:
-        for name in part.traits.metrics:
-            names += [name.format(split=s) for s in splits] if "{split}" in name else [name]
-    return tuple(dict.fromkeys(names))
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -105,6 +77,8 @@ class FederatedModule(pl.LightningModule):
         self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, sizes[s]) for s in ("val", "test")})
         # the dtype of logged values and of the metrics' results: float64 in a float64 run (set in setup)
         self.logged_dtype = torch.float32
+        self.reporter = Reporter(self)  # what is logged: the round's row, the evaluation's metrics, W&B tables
+        self.evaluator = Evaluator(self)  # the validation/test steps and epoch ends
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -201,163 +175,32 @@ class FederatedModule(pl.LightningModule):
         self.federation.train_clients(shard, after)
 
     def on_train_epoch_end(self) -> None:
-        # the round's scalars: the mean local loss of the round's aggregated clients, summed over ranks in the round's
-        # one all-reduce (Federation.train_loss), so it is the same on every rank and costs no collective of its own,
-        # and the simulated seconds (docs/systems.md; published even without a logger, for the curves)
-        values = {}
-        loss = self.federation.train_loss
-        if loss is not None:
-            values["train/loss"] = loss
-        clock = self.federation.clock
-        if clock is not None:
-            values |= {"sim/round_time": clock.round_time, "sim/clock": clock.elapsed}
-        published = self.publish(values)
-        if not self.loggers:
-            return
-        rnd = self.federation.rnd
-        samples = sum(self.federation.num_samples(c) for c in rnd.cohort)
-        faults = self.federation.faults
-        counts = {"fl/round": float(rnd.round + 1), "fl/cohort": float(len(rnd.cohort)), "fl/samples": float(samples)}
-        counts |= {"fl/dropped_clients": float(len(faults.dropped)), "fl/skipped_clients": float(len(faults.skipped))}
-        if self.federation.cfg.local_epochs is None:  # local iterations so far, per client (AFL: one per round)
-            counts["fl/local_steps"] = float((rnd.round + 1) * self.federation.cfg.local_steps)
-        self.log_round({**published, **counts})
-
-    def publish(self, values: Mapping[str, float]) -> dict[str, float]:
-        """Puts round-level scalars into ``trainer.callback_metrics`` (what the bar, the curves, ``checkpoint.monitor``
-        and Lightning's monitoring callbacks read) as ``self.log(name, value, on_epoch=True)`` would at the round's
-        end: scalars of :attr:`logged_dtype` (float32; float64 in a float64 run), after the plain callbacks' and
-        before the monitoring callbacks' ``on_train_epoch_end``. Not through ``self.log``: Lightning's result
-        collection moves the whole metric object to the value's device at every call, a tenth of the overhead of a
-        small model's round (docs/performance.md); the loggers get the values from :meth:`log_round`.
-        Returns the values as the loggers write them (rounded to :attr:`logged_dtype` on the host: no device sync)."""
-        host = {k: torch.tensor(v, dtype=self.logged_dtype) for k, v in values.items()}
-        self.trainer.callback_metrics.update({k: t.to(self.device) for k, t in host.items()})
-        return {k: t.item() for k, t in host.items()}
-
-    def log_round(self, values: dict[str, float]) -> None:
-        """Sends round-level scalars to every logger, in one row per round: at the step of the round's last batch,
-        ``trainer.global_step - 1`` (the 0-based round: a round is one step), plus ``epoch``, as Lightning logs
-        epoch-end metrics. Identical on every rank (rank zero writes). One logger call, not a ``self.log`` per key.
-        Values the parts log with ``self.log`` at the round's end join the row (``flx.loggers.CSVLogger`` merges a
-        step's calls until it writes); :meth:`flx.loop.FederatedFitLoop.on_advance_end` writes the row.
-        """
-        for logger in self.loggers:
-            logger.log_metrics({**values, "epoch": self.current_epoch}, step=self.trainer.global_step - 1)
+        self.reporter.round_end()
 
     # ------------------------------------------------------------------ evaluation of the global model
-    def _eval_step(self, stage: str, batch: tuple[Tensor, ...], dataloader_idx: int) -> None:
-        # which split (val: the validation rows, test: the test split) this loader is and what it feeds: see eval_plan
-        dm = self.trainer.datamodule
-        split, overall, per_client = dm.eval_plan(stage)[dataloader_idx]
-        x = batch[0]
-        if x.is_floating_point():  # integer token ids stay int64
-            x = x.to(next(self.net.parameters()).dtype)
-        outputs = self.net(x)
-        if overall:
-            self.metrics[split].update(outputs, batch[1])
-        if per_client:  # the batch's last tensor: each row's cell, counted for every client that holds it
-            self.metrics[split].update_clients(outputs, batch[1], batch[-1], dm.client_cells(split))
-
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step("val", batch, dataloader_idx)
+        self.evaluator.step("val", batch, dataloader_idx)
 
     def test_step(self, batch: tuple[Tensor, ...], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._eval_step("test", batch, dataloader_idx)
-
-    def _eval_epoch_end(self, stage: str) -> None:
-        dm = self.trainer.datamodule
-        if self.loggers:  # the round the evaluated model comes from: the x-axis of the evaluation's metrics
-            self.log(ROUND, float(self.federation.server.round), add_dataloader_idx=False)
-        splits = list(dict.fromkeys(loader.split for loader in dm.eval_plan(stage)))
-        if self.trainer.world_size > 1:  # each rank evaluated a share of the rows: one all-reduce adds them up
-            summed_metrics = [m for split in splits for m in summed(self.metrics[split])]
-            reduce_sums(summed_metrics, lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
-        for split in splits:
-            if stage == "val":
-                self._check_finite(split)
-            self._log_split(split, dm.has_client_rows(split))
-            if dm.has_client_rows(split) and self.federation.parts_with("personalize"):
-                self._log_personal(split)
-
-    def log_personal_metrics(self, stage: str, name: str) -> None:
-        """:meth:`_log_personal` under ``name`` on every split of ``stage`` (``val`` / ``test``) that has per-client
-        rows: for a part that evaluates a second personalisation (``Adapt``'s ``also_steps``), from its own
-        ``on_{validation,test}_epoch_end``."""
-        dm = self.trainer.datamodule
-        for split in dict.fromkeys(loader.split for loader in dm.eval_plan(stage)):
-            if dm.has_client_rows(split):
-                self._log_personal(split, name)
-
-    def _log_personal(self, split: str, name: str = "personal") -> None:
-        """Each client's personalised model (the parts' ``personalize``) on its own evaluation rows of ``split``:
-        ``{split}/<name>_<key>_{mean,worst,p10}`` (``<key>``: the task's per-client metric), and on W&B the
-        per-client table and bar chart."""
-        data = self.trainer.datamodule.client_eval_data(split).to(self.device, next(self.net.parameters()).dtype)
-        per_client = self.federation.evaluate_clients(data, self.task.client_metric)
-        key = self.task.client_key
-        for k, v in spread(per_client, self.task.higher_is_better).items():
-            self.log(f"{split}/{name}_{key}_{k}", v.to(self.logged_dtype), add_dataloader_idx=False)
-        self._log_client_table(split, {f"{name}_{key}": per_client})
-
-    def _check_finite(self, split: str) -> None:
-        """A non-finite loss of the global model during fit: the run stops as diverged (never ends with it)."""
-        if not torch.isfinite(self.metrics[split].loss.compute()):
-            raise Diverged(
-                f"diverged in round {self.federation.server.round}: the global model's {split} loss is not finite; "
-                f"{self.federation.divergence_cause()}"
-            )
-
-    def _log_split(self, split: str, per_client_rows: bool) -> None:
-        metrics = self.metrics[split]
-        for key, value in metrics.values().items():
-            self.log(f"{split}/{key}", value, add_dataloader_idx=False)
-        if per_client_rows and metrics.client_key is not None:
-            per_client, key = metrics.client_values(), metrics.client_key
-            for k, v in summarize(per_client, metrics.higher_is_better).items():
-                self.log(f"{split}/client_{key}_{k}", v, add_dataloader_idx=False)
-            columns = {key: per_client}
-            loss_rows = metrics.client_loss_values()
-            if loss_rows is not None:
-                columns |= {"loss": loss_rows[0], "samples": loss_rows[1]}
-            self._log_client_table(split, columns)
+        self.evaluator.step("test", batch, dataloader_idx)
 
     def on_validation_epoch_start(self) -> None:
-        for metrics in self.metrics.values():  # after Lightning moved the module: see SplitMetrics.set_value_dtype
-            metrics.set_value_dtype(self.logged_dtype)
+        self.evaluator.epoch_start()
 
     def on_test_epoch_start(self) -> None:
-        self.on_validation_epoch_start()
+        self.evaluator.epoch_start()
 
     def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
+        self.evaluator.epoch_end("val")
 
     def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
+        self.evaluator.epoch_end("test")
 
-    def _log_client_table(self, split: str, columns: dict[str, Tensor]) -> None:
-        """W&B, rank zero: the table ``{split}/client_<key>_table``, with ``<key>`` the first column's name, and a bar
-        chart of that column, ``{split}/client_<key>_bar``. One row per client with evaluation rows: ``client``, the
-        ``columns`` (the global model's: the task's per-client metric, ``loss``, ``samples``: its evaluation rows),
-        ``train_samples`` (its training rows) and ``sampled`` (in the cohort of the round the model comes from)."""
-        loggers = wandb_loggers(self.trainer)
-        if not loggers:
-            return
-        import wandb
-
-        key, fed = next(iter(columns)), self.federation
-        cohort, values = set(fed.cohort), {k: v.tolist() for k, v in columns.items()}
-        rows = [
-            [c, *(v[c] for v in values.values()), fed.num_samples(c) if c < fed.num_clients else 0, c in cohort]
-            for c, a in enumerate(values[key])
-            if not math.isnan(a)
-        ]
-        table = wandb.Table(columns=["client", *columns, "train_samples", "sampled"], data=rows)
-        model = "the personalised models" if key.startswith("personal_") else "the global model"
-        title = f"{split}: {'accuracy' if key == 'acc' else key} of {model} per client"
-        bar = wandb.plot.bar(table, "client", key, title=title)
-        tables = {f"{split}/client_{key}_table": table, f"{split}/client_{key}_bar": bar}
-        log_wandb(self.trainer, tables | {ROUND: float(fed.server.round)})  # in the round's row, with the round
+    def log_personal_metrics(self, stage: str, name: str) -> None:
+        """Each client's personalised model under ``name`` on every split of ``stage`` (``val`` / ``test``) that has
+        per-client rows: for a part that evaluates a second personalisation (``Adapt``'s ``also_steps``), from its own
+        ``on_{validation,test}_epoch_end``."""
+        self.evaluator.personal_metrics(stage, name)
 
     # ------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

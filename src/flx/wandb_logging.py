@@ -89,7 +89,7 @@ class WandbLogger(_LightningWandbLogger):
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Lightning's rows (and :meth:`flx.module.FederatedModule.log_round`'s) carry ``epoch``: they go to W&B
+        """Lightning's rows (and :meth:`flx.module_logging.Reporter.log_round`'s) carry ``epoch``: they go to W&B
         step ``epoch + 1``, with ``trainer/global_step`` as Lightning logs it."""
         row = {f"{self._prefix}{self.LOGGER_JOIN_CHAR}{k}" if self._prefix else k: v for k, v in metrics.items()}
         if step is not None:

@@ -1,7 +1,7 @@
 """Float64 runs log float64 values: a ratio such as 4/10 reaches ``metrics.csv`` as ``0.4``, never as the float32
 ``0.4000000059604645``; float32 runs log what Lightning logs (float32).
 
-The paths a value takes: a Python number through ``self.log`` (the parts' values) or ``FederatedModule.publish``
+The paths a value takes: a Python number through ``self.log`` (the parts' values) or ``Reporter.publish``
 (``train/loss``), torchmetrics' states (``loss``, ``acc``, ``mse``), flx's per-client metrics and the AUROC's ROC
 curve, and on N processes the one all-reduce of the metrics' sums (:func:`flx.metrics.sync.reduce_sums`), simulated
 here with two ranks in process.
