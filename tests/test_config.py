@@ -473,7 +473,7 @@ def test_a_checkpoint_that_names_its_parts_where_they_lived_before_flx_parts_sti
 
     cfg = precheck(["algo=fedprox"])
     saved = fingerprint(cfg)
-    assert saved["algo.parts"] == {"prox": "flx.parts.prox.Prox"}
+    assert saved["algo.parts"] == {"prox": "flx.parts.proximal.prox.Prox"}
     for target, resumes in (("flx.callbacks.prox.Prox", True), ("flx.callbacks.qffl.QFFL", False)):
         old = {**saved, "algo.parts": {"prox": target}}
         path = tmp_path / "old.ckpt"
