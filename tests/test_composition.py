@@ -31,12 +31,12 @@ from flx.context import FederationConfig, FederationSpec
 from flx.errors import ConfigError
 from flx.federation import Federation
 from flx.hooks import CLIENT_HOOKS, FederatedCallback
-from flx.parts.central_dp import CentralDP
-from flx.parts.client_noise import ClientNoise
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.local_dp import LocalDP
-from flx.parts.passive_buffer import PassiveBuffer
-from flx.parts.prox import Prox
+from flx.parts.privacy.central_dp import CentralDP
+from flx.parts.privacy.local_dp import LocalDP
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import LambdaSampling
+from flx.parts.xrisk.client_noise import ClientNoise
+from flx.parts.xrisk.passive_buffer import PassiveBuffer
 from flx.traits import Channel, PartTraits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +45,8 @@ SERVER_HOOKS = ("sample_clients", "refuse_round", "on_round_start", "on_server_s
 
 def _part_classes() -> list[type[FederatedCallback]]:
     found = []
-    for info in pkgutil.iter_modules(flx.parts.__path__):
-        module = importlib.import_module(f"flx.parts.{info.name}")
+    for info in pkgutil.walk_packages(flx.parts.__path__, "flx.parts."):  # the families' subpackages too
+        module = importlib.import_module(info.name)
         found += [
             cls
             for _, cls in inspect.getmembers(module, inspect.isclass)

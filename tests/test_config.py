@@ -473,7 +473,7 @@ def test_a_checkpoint_that_names_its_parts_where_they_lived_before_flx_parts_sti
 
     cfg = precheck(["algo=fedprox"])
     saved = fingerprint(cfg)
-    assert saved["algo.parts"] == {"prox": "flx.parts.prox.Prox"}
+    assert saved["algo.parts"] == {"prox": "flx.parts.proximal.prox.Prox"}
     for target, resumes in (("flx.callbacks.prox.Prox", True), ("flx.callbacks.qffl.QFFL", False)):
         old = {**saved, "algo.parts": {"prox": target}}
         path = tmp_path / "old.ckpt"
@@ -483,3 +483,64 @@ def test_a_checkpoint_that_names_its_parts_where_they_lived_before_flx_parts_sti
         else:
             with pytest.raises(ConfigError, match="written for another run: algo.parts.prox"):
                 check_ckpt(cfg, str(path))
+
+
+def test_a_checkpoint_that_names_its_parts_by_another_module_path_still_resumes(tmp_path: Path) -> None:
+    """The resume check compares a part's ``_target_`` under ``flx.parts`` by its class name: a checkpoint written
+    before the parts were grouped into families (``flx.parts.prox.Prox``, ``flx.parts.central_dp.CentralDP``, as main
+    wrote them) or after a part moves to another family resumes under today's config; a part of another class, or one
+    outside ``flx.parts``, is still refused."""
+    import torch
+
+    from flx.config import precheck
+    from flx.errors import ConfigError
+    from flx.resume import check_ckpt, fingerprint
+
+    cfg = precheck(["algo=fedprox", "model=logreg", "privacy=central", "privacy.noise_multiplier=1.0"])
+    saved = fingerprint(cfg)
+    assert saved["algo.parts"]["prox"].endswith(".Prox") and saved["privacy"]["_target_"].endswith(".CentralDP")
+
+    def written(prox: str, privacy: str) -> str:
+        old = {**saved, "algo.parts": {"prox": prox}, "privacy": {**saved["privacy"], "_target_": privacy}}
+        path = tmp_path / "old.ckpt"
+        torch.save({"state_dict": {}, "flx": {"round": 3, "fingerprint": old}}, path)
+        return str(path)
+
+    check_ckpt(cfg, written("flx.parts.prox.Prox", "flx.parts.central_dp.CentralDP"))  # main before the families
+    check_ckpt(cfg, written("flx.parts.drift.prox.Prox", "flx.parts.dp.central.CentralDP"))  # any family
+    refused = {
+        ("flx.parts.qffl.QFFL", "flx.parts.central_dp.CentralDP"): "algo.parts.prox is 'flx.parts.qffl.QFFL' in the",
+        ("mypkg.prox.Prox", "flx.parts.central_dp.CentralDP"): "algo.parts.prox is 'mypkg.prox.Prox' in the",
+        ("flx.parts.prox.Prox", "flx.parts.local_dp.LocalDP"): "privacy._target_ is 'flx.parts.local_dp.LocalDP'",
+    }
+    for (prox, privacy), message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            check_ckpt(cfg, written(prox, privacy))
+
+
+def test_the_parts_of_flx_parts_have_distinct_class_names() -> None:
+    """What makes comparing a part's ``_target_`` by class name sound (flx.resume.compared): no two part classes
+    anywhere under ``flx.parts`` share a name, and every ``flx.parts`` target in configs/ names one of them."""
+    import importlib
+    import inspect
+    import pkgutil
+    import re
+
+    import flx.parts
+    from flx.hooks import FederatedCallback
+
+    names = []
+    for info in pkgutil.walk_packages(flx.parts.__path__, "flx.parts."):
+        module = importlib.import_module(info.name)
+        names += [
+            cls.__name__
+            for _, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, FederatedCallback) and cls.__module__ == module.__name__
+        ]
+    assert len(names) >= 20 and len(names) == len(set(names)), sorted(names)
+    targets = {
+        m.group(1)
+        for path in (ROOT / "configs").rglob("*.yaml")
+        for m in re.finditer(r"_target_: flx\.parts\.[\w.]*\.(\w+)", path.read_text())
+    }
+    assert targets and targets <= set(names), targets - set(names)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from flx.console import final_line, headline, present
 from flx.hooks import FederatedCallback
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.passive_buffer import PassiveBuffer
+from flx.parts.robustness.lambda_sampling import LambdaSampling
+from flx.parts.xrisk.passive_buffer import PassiveBuffer
 from flx.tasks import Classification, Custom, MaskedLM, Regression
 from flx.traits import PartTraits
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, toy_data
 from torch import Tensor
 
-import flx.parts.client_loss as client_loss
+import flx.parts.robustness.client_loss as client_loss
 from flx import evaluation
 from flx.config import precheck
 from flx.datamodules.client_eval import ClientRows
@@ -136,8 +136,8 @@ SMALL = [
     "callbacks.progress_bar=null",
     "trainer.enable_progress_bar=false",
     "trainer.accelerator=cpu",
-    "+algo.parts.client_loss._target_=flx.parts.client_loss.ClientLoss",
-    "+algo.parts.personal._target_=flx.parts.personal_model.PersonalModel",
+    "+algo.parts.client_loss._target_=flx.parts.robustness.client_loss.ClientLoss",
+    "+algo.parts.personal._target_=flx.parts.personalisation.personal_model.PersonalModel",
     "+algo.parts.personal.model=local",
 ]
 

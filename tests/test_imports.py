@@ -196,8 +196,10 @@ def test_the_graph_sees_known_arrows() -> None:
     graph = import_graph()
     assert {"flx.hooks", "flx.aggregation", "flx.services"} <= graph["flx.federation"]
     assert "flx.probe" in graph["flx.services"]
-    assert "flx.hooks" in graph["flx.parts.prox"]
+    assert "flx.hooks" in graph["flx.parts.proximal.prox"]
+    assert "flx.parts.systems.whale_utility" in graph["flx.parts.systems.subnetwork"]  # within a family's subpackage
     assert "flx.federation" not in graph["flx.hooks"]
     assert "flx.federation" in import_graph(annotations=True)["flx.loop"]  # only for annotations
     assert "flx.federation" not in graph["flx.loop"]
-    assert floor_of("flx.parts.prox") == 2 < floor_of("flx.federation") < floor_of("flx.module") < floor_of("flx.run")
+    prox = floor_of("flx.parts.proximal.prox")
+    assert prox == 2 < floor_of("flx.federation") < floor_of("flx.module") < floor_of("flx.run")

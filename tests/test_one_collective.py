@@ -24,19 +24,19 @@ from flx.datamodules.datamodule import ClientStore
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
 from flx.models.scalable import ScalableCNN
-from flx.parts.client_loss import ClientLoss, client_train_losses
-from flx.parts.client_noise import ClientNoise
-from flx.parts.codasca import Codasca
-from flx.parts.ditto import Ditto
-from flx.parts.fbe import FBE
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.meta_update import MetaUpdate
-from flx.parts.passive_buffer import PassiveBuffer
-from flx.parts.pfedme import PFedMe
-from flx.parts.pm_regularizer import PMRegularizer
-from flx.parts.prox_step import DualAveraging, ProxStep
-from flx.parts.qffl import QFFL
-from flx.parts.subnetwork import MAX_LEVELS, Subnetwork
+from flx.parts.meta_learning.meta_update import MetaUpdate
+from flx.parts.meta_learning.pm_regularizer import PMRegularizer
+from flx.parts.personalisation.ditto import Ditto
+from flx.parts.personalisation.fbe import FBE
+from flx.parts.personalisation.pfedme import PFedMe
+from flx.parts.proximal.prox_step import DualAveraging, ProxStep
+from flx.parts.robustness.client_loss import ClientLoss, client_train_losses
+from flx.parts.robustness.lambda_sampling import LambdaSampling
+from flx.parts.robustness.qffl import QFFL
+from flx.parts.systems.subnetwork import MAX_LEVELS, Subnetwork
+from flx.parts.xrisk.client_noise import ClientNoise
+from flx.parts.xrisk.codasca import Codasca
+from flx.parts.xrisk.passive_buffer import PassiveBuffer
 from flx.resources import ServerResources
 from flx.systems.simulator import LatencySimulator
 

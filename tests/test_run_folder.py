@@ -413,8 +413,8 @@ def _checking_parts() -> set[str]:
     import pkgutil
 
     found = set()
-    for info in pkgutil.iter_modules(flx.parts.__path__):
-        module = importlib.import_module(f"flx.parts.{info.name}")
+    for info in pkgutil.walk_packages(flx.parts.__path__, "flx.parts."):  # the families' subpackages too
+        module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, FederatedCallback) and cls.__module__ == module.__name__:
                 if "check" in vars(cls) or cls.traits.aggregator is not None:
@@ -489,8 +489,8 @@ def test_every_part_that_logs_says_what_it_logs() -> None:
     import pkgutil
 
     silent = []
-    for info in pkgutil.iter_modules(flx.parts.__path__):
-        module = importlib.import_module(f"flx.parts.{info.name}")
+    for info in pkgutil.walk_packages(flx.parts.__path__, "flx.parts."):  # the families' subpackages too
+        module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if not issubclass(cls, FederatedCallback) or cls.__module__ != module.__name__:
                 continue

@@ -188,10 +188,10 @@ def test_one_process_equals_two_processes(tmp_path: Path) -> None:
         "partition.num_clients=8",
         "algo.clients_per_round=5",
         COUNTER,
-        "+algo.parts.client_loss._target_=flx.parts.client_loss.ClientLoss",
-        "+algo.parts.personal._target_=flx.parts.personal_model.PersonalModel",
+        "+algo.parts.client_loss._target_=flx.parts.robustness.client_loss.ClientLoss",
+        "+algo.parts.personal._target_=flx.parts.personalisation.personal_model.PersonalModel",
         "+algo.parts.personal.model=local",  # clients that trained: their last local model; the others: the global
-        "+algo.parts.objective._target_=flx.parts.objective.Objective",  # the personalised objectives, reduced
+        "+algo.parts.objective._target_=flx.parts.measures.objective.Objective",  # the personalised objectives, reduced
     ]
     acc_one = _cli(tmp_path / "one", *common).stdout.split("final test_acc=")[1].split()[0]
     # the 2-process run keeps its client state on disk (a folder per rank): the same state, either way
@@ -550,7 +550,7 @@ def test_vectorized_drfa_through_the_trainer_equals_the_sequential_run(tmp_path:
     """``algo.vectorize=true`` end to end (Lightning's loop, the console, checkpoints): DRFA with FedProx's term, the
     model and lambda equal the sequential run's up to fp32 summation order (fp64: tests/test_vectorized.py)."""
     drfa = [o.replace("num_clients=2", "num_clients=6") for o in DRFA]
-    base = [*drfa, "logger=none", "algo.rounds=4", "+algo.parts.prox._target_=flx.parts.prox.Prox"]
+    base = [*drfa, "logger=none", "algo.rounds=4", "+algo.parts.prox._target_=flx.parts.proximal.prox.Prox"]
     train(compose(tmp_path / "seq", *base))
     train(compose(tmp_path / "vec", *base, "algo.vectorize=true"))
     seq, vec = _final(tmp_path / "seq"), _final(tmp_path / "vec")
@@ -627,7 +627,7 @@ def test_issue_drfa_commands(tmp_path: Path) -> None:
     for algo in ("drfa_prox", "drfa_ga", "afl", "qfedavg"):
         metrics = train(compose(tmp_path / algo, f"algo={algo}", *SMALL, "algo.rounds=2", "logger=none"))
         assert 0 <= metrics["test/acc"] <= 1
-    prox = ["+algo.parts.prox._target_=flx.parts.prox.Prox", "+algo.parts.prox.mu=0.1"]
+    prox = ["+algo.parts.prox._target_=flx.parts.proximal.prox.Prox", "+algo.parts.prox.mu=0.1"]
     cfg = compose(tmp_path / "prox", "algo=drfa", *prox, *SMALL, "algo.rounds=2", "logger=none")
     assert list(cfg.algo.parts) == ["lambda_sampling", "client_loss", "prox"]
     assert 0 <= train(cfg)["test/acc"] <= 1

@@ -16,8 +16,8 @@ from torch import nn
 
 from flx import vectorized
 from flx.hooks import FederatedCallback
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.prox import Prox
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import LambdaSampling
 from flx.tasks import Classification
 from flx.traits import PartTraits
 
@@ -233,7 +233,7 @@ def test_fedxl_equals_the_sequential_path(params: dict) -> None:
     merged score pools and the clients' stored ``u`` / ``m`` equal the sequential run's."""
     from helpers import binary_store
 
-    from flx.parts.passive_buffer import PassiveBuffer
+    from flx.parts.xrisk.passive_buffer import PassiveBuffer
 
     data = binary_store([5, 7, 4, 6, 9], [8, 6, 9, 5, 7], dim=5, shift=0.7)
     kw = dict(clients_per_round=4, local_steps=3, lr=0.2, weighting="uniform", seed=2)

@@ -27,7 +27,7 @@ evaluated with the global model as their personalised model (Sec. 4.1). Seeds va
 the generated data are fixed (`data.split_seed`).
 
 Writes `docs/results/pfedfbe/{table.md,table.csv,<setting>.png}`: per setting and method, the final training
-objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.parts.objective`), the mean personalised
+objective `F(w) = mean_i f_i(w) + h(w)` of the global model (`flx.parts.measures.objective`), the mean personalised
 objective `mean_j f_j(theta_j) + h(theta_j)` and pFedFBE's envelope objective (Eq. 7), the support scores (Lasso:
 global model in (I), personalised models in (II), as the paper), the rank and recovery error of the personalised
 models (matrix completion), the global and personalised test metric, mean ± std over seeds; and the curves, a point
@@ -105,7 +105,7 @@ def overrides(setting: str, method: str, lr: float | None = None) -> list[str]:
     if method != "pFedFBE":
         out += own(algo, ["lam", *(() if composite else ("regularizer",))])
     if method.startswith(("FedMiD", "FedDualAvg")):  # no personalisation: the global model is the personalised one
-        out += ["+algo.parts.personal_model._target_=flx.parts.personal_model.PersonalModel"]
+        out += ["+algo.parts.personal_model._target_=flx.parts.personalisation.personal_model.PersonalModel"]
         out += ["+algo.parts.personal_model.model=global"]  # (Sec. 4.1)
     if method == "FedMiD (no server prox)":
         out.append("algo.server_prox=false")

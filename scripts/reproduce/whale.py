@@ -13,7 +13,7 @@ shards, ``sigma`` classes a device (``partition=shards partition.classes_per_cli
 sigma = 10 is IID); the authors' code's local training (K = 10 SGD steps, batch 64, lr 0.01 on digits and MNIST, 0.1 on
 CIFAR-10, momentum 0.9,
 unweighted count-mean merge; ``configs/algo/whale.yaml``). Methods, all on the same sub-network pipeline
-(``flx.parts.subnetwork``): FedAvg (``algo=whale algo.scheduler=full``: every device trains the full width, on
+(``flx.parts.systems.subnetwork``): FedAvg (``algo=whale algo.scheduler=full``: every device trains the full width, on
 the same system), HeteroFL / FedRolex / FedDropout (``algo=heterofl|fedrolex|feddropout``: fixed level = the device
 type's cap, ``algo.max_levels``, ours: the paper gives no W^max) and WHALE / WHALERolex / WHALEDropout
 (``algo=whale|whale_rolex|whale_dropout``: the utility TE * SE^beta, beta = 2, D = 10, P = 5, s = 1/2, with our

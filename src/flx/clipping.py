@@ -6,7 +6,7 @@ Two ways to the same numbers: :func:`clipped_sum` clips per-row gradients that a
 (:func:`flx.autodiff.row_grads`, any net); :class:`LinearRows` never forms them, for a net of row-wise linear layers
 (each row's gradient norm and the clipped sum from the layers' inputs and output gradients). Either clips a row's
 gradient as one vector (``flat``) or each of its tensors on its own (``per_layer``, :func:`tensor_factors`). Used by
-local DP (:mod:`flx.parts.local_dp`).
+local DP (:mod:`flx.parts.privacy.local_dp`).
 """
 
 from __future__ import annotations

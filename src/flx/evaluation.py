@@ -5,7 +5,7 @@
 ``evaluate_clients`` measures every client that way, the clients spread over the ranks, with one sum.
 ``global_sums`` measures the global model on many clients at once: the clients' rows are batched together and a row
 that several clients share is forwarded once (clients that no part personalises; ``client_losses``, every client's
-training loss: :mod:`flx.parts.client_loss`, DRFA-GA's dual ascent), instead of one forward pass per client.
+training loss: :mod:`flx.parts.robustness.client_loss`, DRFA-GA's dual ascent), instead of one forward pass per client.
 """
 
 from __future__ import annotations

@@ -90,6 +90,19 @@ def moved_parts(saved: dict[str, Any]) -> dict[str, Any]:
     return {**saved, "algo.parts": {name: now(target) for name, target in parts.items()}}
 
 
+PARTS = "flx.parts."
+"""Where the parts live now; a part's ``_target_`` is compared by its class name alone (:func:`compared`)."""
+
+
+def compared(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flattened fingerprint as :func:`check_ckpt` compares it: every ``flx.parts.<module path>.<Class>`` (the parts'
+    and the privacy part's ``_target_``) as ``<Class>``, so that moving a part to another module or family of
+    ``flx.parts`` leaves the checkpoints written before it resumable; a part of another class still differs, and a
+    part outside ``flx.parts`` keeps its full path. Sound because the part classes of ``flx.parts`` have distinct
+    names (tests/test_config.py)."""
+    return {k: v.rsplit(".", 1)[-1] if isinstance(v, str) and v.startswith(PARTS) else v for k, v in flat.items()}
+
+
 def read_fingerprint(path: str) -> dict[str, Any]:
     """The config fingerprint stored in the flx checkpoint ``path``; a one-line :class:`ConfigError` unless the file is
     intact: loadable weights-only and a flx checkpoint with a fingerprint.
@@ -115,9 +128,10 @@ def check_ckpt(cfg: DictConfig, path: str, saved: dict[str, Any] | None = None) 
     (``saved``: its fingerprint, when already read by :func:`read_fingerprint`)."""
     saved = read_fingerprint(path) if saved is None else saved
     mine, theirs = flatten(fingerprint(cfg)), flatten(moved_parts(saved))
-    diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    same_mine, same_theirs = compared(mine), compared(theirs)  # a part's module path may differ, its class may not
+    diff = [k for k in sorted(set(mine) | set(theirs)) if same_mine.get(k) != same_theirs.get(k)]
     if any(k.startswith("privacy.") for k in diff):
-        raise bad_value("ckpt_path", path, _privacy_change(mine, theirs))
+        raise bad_value("ckpt_path", path, _privacy_change(mine, theirs, diff))
     if diff:
         shown = "; ".join(
             f"{k} is {theirs.get(k)!r} in the checkpoint, {mine.get(k)!r} in the config" for k in diff[:2]
@@ -126,10 +140,10 @@ def check_ckpt(cfg: DictConfig, path: str, saved: dict[str, Any] | None = None) 
         raise bad_value("ckpt_path", path, f"written for another run: {shown}{more}; resume with the same settings")
 
 
-def _privacy_change(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+def _privacy_change(mine: dict[str, Any], theirs: dict[str, Any], diff: list[str]) -> str:
     """Why a checkpoint cannot continue under other privacy settings: its rounds were (not) private, and a ledger holds
-    only for the settings it was kept under."""
-    keys = [k for k in sorted(set(mine) | set(theirs)) if k.startswith("privacy.") and mine.get(k) != theirs.get(k)]
+    only for the settings it was kept under (``diff``: the keys that differ, as :func:`check_ckpt` compares them)."""
+    keys = [k for k in diff if k.startswith("privacy.")]
     if not any(k.startswith("privacy.") for k in theirs):
         return "its rounds ran without privacy: a private run cannot continue them (start a new run)"
     if not any(k.startswith("privacy.") for k in mine):

@@ -332,7 +332,7 @@ def token_nll(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     r"""Per position ``(-log softmax(o)_{y}) [y != -100]`` and the 0/1 scored mask, both ``target``'s shape.
 
     Written with ``gather`` rather than ``F.cross_entropy(ignore_index=...)`` so that it runs under ``torch.func.vmap``
-    (the per-sample Fisher of :mod:`flx.parts.whale_utility`)."""
+    (the per-sample Fisher of :mod:`flx.parts.systems.whale_utility`)."""
     scored = target != IGNORE
     nll = -outputs.log_softmax(-1).gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # (B, L)
     return nll * scored, scored

@@ -23,7 +23,7 @@ from flx.config import precheck
 from flx.metrics.auc import AUROCs
 from flx.metrics.dtype import default_dtype, logged_dtype
 from flx.metrics.sync import reduce_sums, summed
-from flx.parts.structure import Structure
+from flx.parts.measures.structure import Structure
 from flx.run import build
 from flx.tasks import Classification
 from flx.wandb_files import load_run
@@ -108,7 +108,7 @@ def test_a_float64_lasso_run_logs_its_support_ratios_exactly(tmp_path: Path) -> 
     lasso = ["algo=fedavg", "data=lasso_synthetic", "data.loader.num_clients=5", "data.loader.dim=10"]
     lasso += ["data.loader.ones=4", "data.loader.samples=20", "data.loader.test_samples=10", "algo.rounds=2"]
     lasso += ["algo.clients_per_round=5", "algo.local_steps=2", "algo.batch_size=10", "client_eval=test_group"]
-    structure = "+algo.parts.structure._target_=flx.parts.structure.Structure"
+    structure = "+algo.parts.structure._target_=flx.parts.measures.structure.Structure"
     dm, module, trainer, rows = _fit(tmp_path, *lasso, "eval_test=true", structure)
     (part,) = [cb for cb in trainer.callbacks if isinstance(cb, Structure)]
     (w,) = [p.detach() for n, p in module.net.named_parameters() if n.endswith("weight")]  # Structure's "*weight"

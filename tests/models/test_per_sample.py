@@ -29,7 +29,7 @@ def _by_autograd(net: nn.Module, x: Tensor, y: Tensor, masks: list[Tensor] | Non
 
 def _freeze_bn(net: nn.Module, x: Tensor) -> None:
     """Static BN in evaluation with the statistics of ``x`` (what WHALE's Fisher holds fixed)."""
-    from flx.parts.whale_utility import _batch_stats
+    from flx.parts.systems.whale_utility import _batch_stats
 
     layers = [m for m in net.modules() if hasattr(m, "stat_mean")]
     for m, (mean, var) in _batch_stats(net, layers, x).items():
@@ -111,7 +111,7 @@ def test_unsupported_nets_give_none() -> None:
 
 def test_whale_fisher_falls_back_to_torch_func_for_other_layers() -> None:
     """A LayerNorm net is not supported here: WHALE's per-sample norms then come from torch.func, the same values."""
-    from flx.parts.whale_utility import per_sample_sq_norms
+    from flx.parts.systems.whale_utility import per_sample_sq_norms
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Flatten(), nn.Linear(16, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 2)).to(f64)

@@ -1,5 +1,5 @@
-"""User-level central DP (:class:`flx.parts.central_dp.CentralDP`): a round computed by hand, the noise's mean and
-variance over many rounds, clipping (flat and per layer), Poisson cohorts, adaptive clipping's step, the budget."""
+"""User-level central DP (:class:`flx.parts.privacy.central_dp.CentralDP`): a round computed by hand, the noise's mean
+and variance over many rounds, clipping (flat and per layer), Poisson cohorts, adaptive clipping's step, the budget."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from flx import privacy
 from flx.composition import check_pairs
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
-from flx.parts.central_dp import _NOISE_TAG, CentralDP
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.prox import Prox
+from flx.parts.privacy.central_dp import _NOISE_TAG, CentralDP
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import LambdaSampling
 from flx.sampling import derive_seed
 from flx.traits import PartTraits
 

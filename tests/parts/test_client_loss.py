@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import linear, make_fed, run_rounds, toy_data
 
 from flx.config import precheck
-from flx.parts.client_loss import ClientLoss, client_train_losses
+from flx.parts.robustness.client_loss import ClientLoss, client_train_losses
 from flx.run import build
 
 QUIET = ["callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "trainer.accelerator=cpu", "logger=csv"]
@@ -65,4 +65,4 @@ def test_logged_values_equal_a_hand_computation(tmp_path: Path) -> None:
     assert "train/client_loss_max" not in trainer.callback_metrics and "val/acc" in trainer.callback_metrics
     for algo in ("drfa_prox", "drfa_ga", "afl"):
         cfg = precheck([f"algo={algo}", f"paths.output_dir={tmp_path / algo}"])
-        assert cfg.algo.parts.client_loss._target_ == "flx.parts.client_loss.ClientLoss"
+        assert cfg.algo.parts.client_loss._target_ == "flx.parts.robustness.client_loss.ClientLoss"

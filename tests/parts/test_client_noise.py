@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from helpers import linear, make_fed, run_rounds, toy_data
 
-from flx.parts.client_noise import ClientNoise
+from flx.parts.xrisk.client_noise import ClientNoise
 
 
 def test_shift_only_noise_is_training_on_shifted_inputs() -> None:

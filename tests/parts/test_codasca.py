@@ -10,7 +10,7 @@ from torch import nn
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.losses import aucm
-from flx.parts.codasca import Codasca
+from flx.parts.xrisk.codasca import Codasca
 
 
 def _data(pos: list[int], neg: list[int]) -> ClientStore:

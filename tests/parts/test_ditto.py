@@ -14,7 +14,7 @@ from least_squares import f64, flat, grad, l1, mse, prox, regression
 
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
-from flx.parts.ditto import Ditto
+from flx.parts.personalisation.ditto import Ditto
 from flx.sampling import derive_seed, local_batches
 
 

@@ -1,4 +1,4 @@
-"""The privacy budget on every path a run can take (:class:`flx.parts.dp_budget.Budgeted`): checked before every
+"""The privacy budget on every path a run can take (:class:`flx.parts.privacy.dp_budget.Budgeted`): checked before every
 round, the first of a fresh run included; a run stopped on its budget relaunched (``ckpt_path=auto``, three times),
 extended (a larger ``algo.rounds``) or requeued by SLURM trains no further round; repeated draws count each run; and
 the privacy settings are part of what a checkpoint may continue. Real runs of ``train.py`` (the exit status is part
@@ -115,7 +115,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     [
         ("plain", CENTRAL[len(SMALL) :], "its rounds ran without privacy: a private run cannot continue them"),
         ("private", ["privacy=none"], "its rounds ran under privacy: continue it with the same privacy=... settings"),
-        ("private", ["privacy=local"], "privacy._target_ is 'flx.parts.central_dp.CentralDP' in the checkpoint"),
+        (
+            "private",
+            ["privacy=local"],
+            "privacy._target_ is 'flx.parts.privacy.central_dp.CentralDP' in the checkpoint",
+        ),
     ],
     ids=["add", "remove", "mode"],
 )

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from flx.federation import Federation
 from flx.hooks import FederatedCallback
-from flx.parts.fbe import _HAT_TAG, _PERSONAL_TAG, FBE, fbe_gradient, fbe_objective, fbe_value
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.prox import Prox
+from flx.parts.personalisation.fbe import _HAT_TAG, _PERSONAL_TAG, FBE, fbe_gradient, fbe_objective, fbe_value
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import LambdaSampling
 from flx.sampling import SAMPLE_TAG, derive_seed, local_batches
 
 

@@ -12,8 +12,8 @@ from torch import nn
 from flx import simplex
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
-from flx.parts.lambda_sampling import _EVAL_SET_TAG, _SNAPSHOT_TAG, LambdaSampling
-from flx.parts.prox import Prox
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import _EVAL_SET_TAG, _SNAPSHOT_TAG, LambdaSampling
 from flx.sampling import derive_seed
 
 SEED = 0

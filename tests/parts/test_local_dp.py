@@ -1,5 +1,5 @@
-"""Record-level local DP (:class:`flx.parts.local_dp.LocalDP`, DP-SGD local steps): per-example gradients against
-autograd row by row, one step computed by hand, the noise's mean and variance, Poisson batch sizes, stacked ==
+"""Record-level local DP (:class:`flx.parts.privacy.local_dp.LocalDP`, DP-SGD local steps): per-example gradients
+against autograd row by row, one step computed by hand, the noise's mean and variance, Poisson batch sizes, stacked ==
 sequential, the per-client ledger, the worst-case calibration, and what it refuses."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from flx.context import Round
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
-from flx.parts.fbe import FBE
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.local_dp import _LOSS_TAG, _NOISE_TAG, LocalDP
-from flx.parts.prox import Prox
+from flx.parts.personalisation.fbe import FBE
+from flx.parts.privacy.local_dp import _LOSS_TAG, _NOISE_TAG, LocalDP
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import LambdaSampling
 from flx.sampling import derive_seed, fresh_rows
 from flx.traits import PartTraits
 

@@ -15,10 +15,10 @@ from least_squares import loss as ls_loss
 from torch import nn
 
 from flx.datamodules.datamodule import ClientStore
-from flx.parts.adapt import Adapt
-from flx.parts.meta_update import _Y, MetaUpdate, maml_gradient
-from flx.parts.per_fedavg import PerFedAvg
-from flx.parts.pm_regularizer import PMRegularizer
+from flx.parts.meta_learning.adapt import Adapt
+from flx.parts.meta_learning.meta_update import _Y, MetaUpdate, maml_gradient
+from flx.parts.meta_learning.per_fedavg import PerFedAvg
+from flx.parts.meta_learning.pm_regularizer import PMRegularizer
 from flx.resources import ServerResources
 
 SIZES = [8, 6, 10]

@@ -9,10 +9,16 @@ from helpers import linear, make_fed, run_rounds, toy_data
 from least_squares import f64, flat, grad, l1, loss, mse, prox, regression
 
 from flx.datamodules.client_eval import ClientRows
-from flx.parts.client_loss import client_train_losses
-from flx.parts.fbe import FBE
-from flx.parts.objective import Objective, composite_objective, personal_objective, personal_terms, split_objective
-from flx.parts.personal_model import PersonalModel
+from flx.parts.measures.objective import (
+    Objective,
+    composite_objective,
+    personal_objective,
+    personal_terms,
+    split_objective,
+)
+from flx.parts.personalisation.fbe import FBE
+from flx.parts.personalisation.personal_model import PersonalModel
+from flx.parts.robustness.client_loss import client_train_losses
 from flx.regularizers import make_regularizer
 
 

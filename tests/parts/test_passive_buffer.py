@@ -13,8 +13,8 @@ from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.losses import xrisk
 from flx.models import heads
-from flx.parts.client_noise import ClientNoise
-from flx.parts.passive_buffer import PassiveBuffer
+from flx.parts.xrisk.client_noise import ClientNoise
+from flx.parts.xrisk.passive_buffer import PassiveBuffer
 
 
 def _binary_data(pos: list[int], neg: list[int], dim: int = 4) -> ClientStore:

@@ -12,8 +12,8 @@ from helpers import linear, make_fed, raises_one_line, run_rounds
 from least_squares import f64, flat, grad, mse, regression, xt
 
 from flx.datamodules.client_eval import ClientRows
-from flx.parts.personal_model import PersonalModel
-from flx.parts.prox import Prox
+from flx.parts.personalisation.personal_model import PersonalModel
+from flx.parts.proximal.prox import Prox
 
 
 def test_global_model_is_fedavgs_personalised_model() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flx.config import precheck
-from flx.parts.lambda_sampling import LambdaSampling
+from flx.parts.robustness.lambda_sampling import LambdaSampling
 from flx.run import build
 
 pytestmark = pytest.mark.slow
@@ -41,12 +41,12 @@ TINY = [
     "trainer.precision=64-true",
 ]
 DRFA = [
-    "+algo.parts.lambda_sampling._target_=flx.parts.lambda_sampling.LambdaSampling",
+    "+algo.parts.lambda_sampling._target_=flx.parts.robustness.lambda_sampling.LambdaSampling",
     "+algo.parts.lambda_sampling.gamma=0.05",
 ]
 
 OBJECTIVE = [
-    "+algo.parts.objective._target_=flx.parts.objective.Objective",
+    "+algo.parts.objective._target_=flx.parts.measures.objective.Objective",
     '+algo.parts.objective.regularizer={name: l1, mu: 0.1, params: ["*weight"]}',
 ]
 
@@ -88,7 +88,7 @@ def test_each_algorithm_logs_finite_personal_metrics(tmp_path: Path, overrides: 
 
 
 def test_pfedfbe_with_drfa_lambda_and_a_zero_prox_term_from_the_command_line(tmp_path: Path) -> None:
-    prox = ["+algo.parts.prox._target_=flx.parts.prox.Prox", "+algo.parts.prox.mu=0.0"]
+    prox = ["+algo.parts.prox._target_=flx.parts.proximal.prox.Prox", "+algo.parts.prox.mu=0.0"]
     module, trainer = _fit(tmp_path / "both", "algo=pfedfbe", *DRFA, *prox)
     plain, _ = _fit(tmp_path / "drfa", "algo=pfedfbe", *DRFA)
     names = [type(cb).__name__ for cb in trainer.callbacks]

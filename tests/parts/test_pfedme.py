@@ -16,7 +16,7 @@ from least_squares import f64, flat, grad, l1, loss, mse, prox, regression, xt
 from flx.context import FederationConfig
 from flx.errors import ConfigError
 from flx.federation import Federation
-from flx.parts.pfedme import PFedMe
+from flx.parts.personalisation.pfedme import PFedMe
 from flx.server import ServerOptConfig
 
 
@@ -164,7 +164,7 @@ def test_the_step_cap_warns_once_and_still_installs_the_last_iterate(caplog: pyt
     data = regression([7, 9])
     fed = _fed(data, PFedMe(lam=lam, personal_max_steps=1), clients_per_round=2)
     w = flat(fed.params)
-    with caplog.at_level("WARNING", logger="flx.parts.pfedme"):
+    with caplog.at_level("WARNING", logger="flx.parts.personalisation.pfedme"):
         for cid, rows in enumerate(data.client_indices):
             with fed.personalize(cid):
                 theta = flat(fed.params)

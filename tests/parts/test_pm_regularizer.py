@@ -13,8 +13,8 @@ from helpers import make_fed, run_rounds, toy_data
 from flx.datamodules.datamodule import ClientStore
 from flx.losses.distill import logit_kd
 from flx.models.nets import MLP
-from flx.parts.meta_update import MetaUpdate
-from flx.parts.pm_regularizer import PMRegularizer
+from flx.parts.meta_learning.meta_update import MetaUpdate
+from flx.parts.meta_learning.pm_regularizer import PMRegularizer
 from flx.resources import ServerResources
 
 RHO, LAM = 2.0, 0.7

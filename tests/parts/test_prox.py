@@ -7,7 +7,7 @@ import torch
 from helpers import linear, make_fed, params, run_rounds, toy_data
 
 from flx.errors import ConfigError
-from flx.parts.prox import Prox
+from flx.parts.proximal.prox import Prox
 
 
 def test_mu_zero_is_fedavg_exactly() -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from flx import composition
 from flx.context import FederationConfig
-from flx.parts.prox_step import DualAveraging, ProxStep
+from flx.parts.proximal.prox_step import DualAveraging, ProxStep
 from flx.server import ServerOptConfig
 
 SIZES = [11, 7, 15]

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
-from flx.parts.qffl import QFFL, qffl_terms
+from flx.parts.robustness.qffl import QFFL, qffl_terms
 
 f64 = torch.float64
 

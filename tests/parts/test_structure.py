@@ -9,7 +9,7 @@ import torch
 from helpers import make_fed, toy_data
 
 from flx.hooks import FederatedCallback
-from flx.parts.structure import Structure
+from flx.parts.measures.structure import Structure
 
 f64 = torch.float64
 

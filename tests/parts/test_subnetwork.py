@@ -15,10 +15,10 @@ from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.models.scalable import ScalableCNN, StaticBatchNorm2d, rebuild_bn_stats
 from flx.models.width import masks_from_indices, width_masks
-from flx.parts import whale_utility as wu
-from flx.parts.lambda_sampling import LambdaSampling
-from flx.parts.prox import Prox
-from flx.parts.subnetwork import MAX_LEVELS, Subnetwork
+from flx.parts.proximal.prox import Prox
+from flx.parts.robustness.lambda_sampling import LambdaSampling
+from flx.parts.systems import whale_utility as wu
+from flx.parts.systems.subnetwork import MAX_LEVELS, Subnetwork
 from flx.systems.simulator import LatencySimulator
 
 SYSTEM = dict(
@@ -273,7 +273,7 @@ def test_a_client_of_the_masked_lm_trains_the_extracted_small_lm(extractor: str)
     the same rows, and every entry outside them is unchanged (count mean, one client)."""
     from flx.models.scalable_lm import ScalableTransformerLM
     from flx.models.width import extract_state, local_entries, width_indices
-    from flx.parts.subnetwork import _MASK_TAG
+    from flx.parts.systems.subnetwork import _MASK_TAG
     from flx.sampling import derive_seed
     from flx.tasks import MaskedLM
 

@@ -13,7 +13,7 @@ from torch import nn
 from flx.models.scalable import ScalableCNN
 from flx.models.scalable_lm import ScalableTransformerLM
 from flx.models.width import apply_masks, local_entries, masks_from_indices, width_indices
-from flx.parts import whale_utility as wu
+from flx.parts.systems import whale_utility as wu
 from flx.tasks import MaskedLM
 
 

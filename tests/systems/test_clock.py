@@ -9,7 +9,7 @@ from helpers import linear, run_rounds, toy_data
 
 from flx.federation import Federation, FederationConfig, FederationSpec
 from flx.hooks import FederatedCallback
-from flx.parts.prox import Prox
+from flx.parts.proximal.prox import Prox
 from flx.systems.clock import SimClock
 from flx.systems.simulator import LatencySimulator
 

@@ -41,14 +41,14 @@ TRACKED = (
     "test/pauc_0.5",
     # regression (task=regression): the errors, plotted with the losses
     *(f"{split}/{key}" for split in ("val", "test") for key in ("mse", "rmse", "client_mse_mean", "client_mse_worst")),
-    # composite objectives (flx.parts.objective) and personalised models (pFedFBE and its baselines)
+    # composite objectives (flx.parts.measures.objective) and personalised models (pFedFBE and its baselines)
     "train/objective",
     "train/h",
     "train/personal_objective",
     "train/fbe_objective",
     "test/personal_objective",
     *(f"test/personal_{key}_mean" for key in ("acc", "mse")),
-    # structure of the global and personalised models (flx.parts.structure; logged in the validation loop)
+    # structure of the global and personalised models (flx.parts.measures.structure; logged in the validation loop)
     *(
         f"val/{p}{key}{s}"
         for p, s in (("", ""), ("personal_", "_mean"))
@@ -57,12 +57,13 @@ TRACKED = (
     # simulated wall-clock (flx.systems, docs/systems.md): an x-axis, not a curve of the panels
     "sim/round_time",
     "sim/clock",
-    # sub-network scheduling (flx.parts.subnetwork, docs/whale.md): recorded for the reproduction's traces, not
+    # sub-network scheduling (flx.parts.systems.subnetwork, docs/whale.md): recorded for the reproduction's traces, not
     # plotted in the panels (counts and widths are not accuracies)
     "whale/width_mean",
     "whale/fi_mean",
     *(f"whale/level_{p}" for p in range(1, 9)),
-    # differential privacy (flx.parts.central_dp, docs/privacy.md): the ledger, recorded, not plotted in the panels
+    # differential privacy (flx.parts.privacy.central_dp, docs/privacy.md): the ledger, recorded, not plotted in the
+    # panels
     "privacy/epsilon",
     "privacy/clip",
 )

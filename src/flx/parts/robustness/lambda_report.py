@@ -1,8 +1,8 @@
 """What DRFA's lambda sampling reports beside the model: ``lambda/<i>`` every round, and at the end of the fit
 ``lambda.json`` (lambda after every round) and, with W&B, the line plot ``lambda/plot``.
 
-The values are :class:`flx.parts.lambda_sampling.LambdaSampling`'s (``lam``, ``history``: lambda after each round);
-these functions only show them.
+The values are :class:`flx.parts.robustness.lambda_sampling.LambdaSampling`'s (``lam``, ``history``: lambda after each
+round); these functions only show them.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ FedRolex (Alam et al., NeurIPS 2022; rolling) and Federated Dropout (Caldas et a
     p_{i,r} = \max\big(\hat p(\min(TE_{i,r} SE_{i,r}^{\beta} / U_{th}, 1)),\ p_i^{max}\big), \qquad
     \rho_{i,r} = s^{p_{i,r} - 1}
 
-(Eqs. 4-9, :mod:`flx.parts.whale_utility`), then local SGD on the sub-model (masked weights and gradients) and
+(Eqs. 4-9, :mod:`flx.parts.systems.whale_utility`), then local SGD on the sub-model (masked weights and gradients) and
 ``algo.aggregator=count_mean``: each entry is the mean over the clients whose sub-model holds it (Eqs. 1-2, 10).
 ``scheduler``: ``whale`` (Eq. 6), ``te_only`` / ``se_only`` (ablations), ``fixed`` (``p = p^max`` of the device
 type: HeteroFL / FedRolex / FedDropout with ``extractor=prefix|rolling|random``), ``full`` (``p = 1``: FedAvg).
@@ -41,8 +41,8 @@ from flx.errors import MAX_INT, ConfigError, bad_value, check_fields, count
 from flx.hooks import FederatedCallback
 from flx.models.scalable import clear_bn_stats, rebuild_bn_stats
 from flx.models.width import MODES, apply_masks, mask_grads, masks_from_indices, width_indices
-from flx.parts import whale_report as report
-from flx.parts import whale_utility as wu
+from flx.parts.systems import whale_report as report
+from flx.parts.systems import whale_utility as wu
 from flx.sampling import derive_seed
 from flx.traits import Channel, PartTraits
 

@@ -54,13 +54,13 @@ from flx.hooks import FederatedCallback
 from flx.local_sgd import grads_of
 from flx.losses import xrisk
 from flx.models import heads
-from flx.parts import fedxl_pools
+from flx.parts.xrisk import fedxl_pools
 from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView, Round
     from flx.hooks import Build
-    from flx.parts.client_noise import ClientNoise
+    from flx.parts.xrisk.client_noise import ClientNoise
     from flx.vectorized import Cohort
 
 LOSSES: dict[str, Callable[..., Tensor]] = {

@@ -50,7 +50,7 @@ from flx import privacy
 from flx.aggregation import numel
 from flx.clipping import clip_factors
 from flx.errors import ConfigError, bad_value
-from flx.parts.dp_budget import Budgeted, BudgetParams
+from flx.parts.privacy.dp_budget import Budgeted, BudgetParams
 from flx.sampling import derive_seed
 from flx.traits import Channel, PartTraits
 

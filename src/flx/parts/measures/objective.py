@@ -39,7 +39,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from flx.hooks import FederatedCallback
-from flx.parts.client_loss import client_train_losses
+from flx.parts.robustness.client_loss import client_train_losses
 from flx.regularizers import Regularizer, make_regularizer
 from flx.traits import PartTraits
 

@@ -1,8 +1,8 @@
 """FeDXL's passive pools before the first round, and the draws from a client's rows and from the pools.
 
 Guo et al., "FeDXL: Provable Federated Learning for Deep X-Risk Optimization", ICML 2023 (Algorithms 1-2, line 2:
-the round-1 pools ``H^0``, ``U^0``). :class:`flx.parts.passive_buffer.PassiveBuffer` merges and uses the pools; this
-module makes the first ones and holds the draws both use (docs/fedxl.md).
+the round-1 pools ``H^0``, ``U^0``). :class:`flx.parts.xrisk.passive_buffer.PassiveBuffer` merges and uses the pools;
+this module makes the first ones and holds the draws both use (docs/fedxl.md).
 """
 
 from __future__ import annotations

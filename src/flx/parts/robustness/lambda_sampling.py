@@ -32,7 +32,7 @@ only after that reduce), so :math:`v` needs none.
 The part keeps :math:`\lambda` and its history in its ``state_dict``; at the end of fit it writes
 ``lambda.json`` next to ``curves.json`` and logs ``lambda/<i>`` every round; with W&B, the line plot ``lambda/plot``
 (lambda per client over the rounds, the first ``MAX_PLOTTED_CLIENTS`` clients, and the max and min;
-:mod:`flx.parts.lambda_report`).
+:mod:`flx.parts.robustness.lambda_report`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from flx.autodiff import loss_at
 from flx.errors import bad_value, check_fields
 from flx.evaluation import client_losses
 from flx.hooks import FederatedCallback
-from flx.parts import lambda_report
+from flx.parts.robustness import lambda_report
 from flx.sampling import derive_seed
 from flx.traits import Channel, PartTraits
 

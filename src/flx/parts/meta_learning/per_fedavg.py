@@ -14,7 +14,7 @@ and the server averages (``algo.aggregator=mean``). ``hessian``: ``none`` is Per
 double-backward product. On few-shot clients (``partition=few_shot``) :math:`\mathcal D = \mathcal D''` is the support
 set and :math:`\mathcal D'` the query set, full batch, as AugFL's clients use them (the paper draws three independent
 minibatches; with 10-40 rows a client, full batches are the natural reading). Evaluation: one step of :math:`\alpha`
-on the support set (:class:`~flx.parts.adapt.Adapt`).
+on the support set (:class:`~flx.parts.meta_learning.adapt.Adapt`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing_extensions import override
 from flx.autodiff import HVP_MODES
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
-from flx.parts.meta_update import maml_gradient
+from flx.parts.meta_learning.meta_update import maml_gradient
 from flx.traits import PartTraits
 
 if TYPE_CHECKING:

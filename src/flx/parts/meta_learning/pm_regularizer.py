@@ -3,7 +3,7 @@ r"""AugFL's server step with a server-only pretrained model (PM): :math:`\lambda
 S. Yue, Z. Qin, Y. Deng, J. Ren, Y. Zhang, J. Zhang, "AugFL: Augmenting Federated Learning with Pretrained Models",
 Algorithm 1 step 3.2, Eq. 13, Section V. With the clients'
 uploads summed by ``algo.aggregator=admm_sum`` (``mean`` :math:`= \sum_i u_i / \sum_i \rho_i`,
-:class:`~flx.parts.meta_update.MetaUpdate`):
+:class:`~flx.parts.meta_learning.meta_update.MetaUpdate`):
 
 .. math::
     \theta^{t+1} = \frac{\sum_i (y_i^t + \rho_i \theta_i^t) - \lambda G^t}{\sum_i \rho_i}

@@ -1,6 +1,6 @@
 """What the two privacy parts share: their common ``privacy.*`` keys and their checks (:class:`BudgetParams`), and
 after each round ``privacy/epsilon`` in the logs, the budget's stop, epsilon in the final line (:class:`Budgeted`;
-:mod:`flx.parts.central_dp`, :mod:`flx.parts.local_dp`)."""
+:mod:`flx.parts.privacy.central_dp`, :mod:`flx.parts.privacy.local_dp`)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from typing_extensions import override
 from flx.datamodules.pfedfbe_data import client_truth
 from flx.errors import bad_value, number_error
 from flx.metrics.sparse import THRESHOLD, numerical_rank, recovery_error, support_scores
-from flx.parts.logged import LoggedMetrics
+from flx.parts.measures.logged import LoggedMetrics
 from flx.traits import PartTraits
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 W&B, and at the end of the fit ``whale.json`` (every round's level and Fisher value per client, with the simulated
 clock), the W&B table ``whale/history`` and a line plot of the Fisher trace, one line per client against the clock.
 
-The history is :class:`flx.parts.subnetwork.Subnetwork`'s (``history``: one entry per round, ``round`` 1-based,
+The history is :class:`flx.parts.systems.subnetwork.Subnetwork`'s (``history``: one entry per round, ``round`` 1-based,
 ``clock``, ``level`` and ``fi`` by client); these functions only show it (docs/whale.md).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from flx.parts import whale_utility as wu
+from flx.parts.systems import whale_utility as wu
 from flx.wandb_logging import ROUND, log_line_series, log_wandb, wandb_loggers
 
 MAX_PLOTTED_CLIENTS = 20  # W&B's whale/fisher_trace: a line per client for the first this many (the table has all)

@@ -29,8 +29,8 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
-from flx.parts.fbe import as_regularizer
-from flx.parts.personal_model import from_state, install, keep, stored
+from flx.parts.personalisation.fbe import as_regularizer
+from flx.parts.personalisation.personal_model import from_state, install, keep, stored
 from flx.regularizers import Regularizer
 from flx.traits import PartTraits
 
@@ -51,7 +51,7 @@ class DittoParams:
 
 class Ditto(FederatedCallback):
     """Ditto's personal models: one proximal step on :math:`v_i` per local step (``on_local_step_end``), kept in the
-    state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.parts.fbe.FBE`."""
+    state store and installed by ``personalize``; ``regularizer`` as in :class:`~flx.parts.personalisation.fbe.FBE`."""
 
     traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE)  # v_i stays on the client
 

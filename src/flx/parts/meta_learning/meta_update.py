@@ -16,9 +16,10 @@ the global meta-model :math:`\theta^t`, on its support set :math:`S` and query s
 with :math:`\delta_t = 1 / (10 t + 100)` (``delta_scale`` = 10, ``delta_offset`` = 100) and :math:`w_i = D_i /
 \sum_j D_j` over the training clients (``client_weight=samples``, the authors' code; ``uniform``: :math:`1/N`). The
 client uploads :math:`u_i = y_i + \rho \theta_i` with weight :math:`\rho` and ``algo.aggregator=admm_sum`` forms
-:math:`\sum_i u_i / \sum_i \rho` (Eq. 13 without the regulariser; :class:`~flx.parts.pm_regularizer.PMRegularizer`
-subtracts :math:`\lambda G^t / \sum_i \rho`). The dual :math:`y_i` (zeros at first, Alg. 1 step 1) and the client's
-round counter live in ``client.state`` (the CPU / disk store, checkpointed), never on the accelerator.
+:math:`\sum_i u_i / \sum_i \rho` (Eq. 13 without the regulariser;
+:class:`~flx.parts.meta_learning.pm_regularizer.PMRegularizer` subtracts :math:`\lambda G^t / \sum_i \rho`). The dual
+:math:`y_i` (zeros at first, Alg. 1 step 1) and the client's round counter live in ``client.state`` (the CPU / disk
+store, checkpointed), never on the accelerator.
 
 Choices the paper leaves open (options, documented in ``docs/augfl.md``):
 
@@ -47,7 +48,7 @@ from typing_extensions import override
 from flx.autodiff import HVP_MODES, sq_norm
 from flx.errors import bad_value, check_fields
 from flx.hooks import FederatedCallback
-from flx.parts.personal_model import from_state, keep
+from flx.parts.personalisation.personal_model import from_state, keep
 from flx.traits import Channel, PartTraits
 
 if TYPE_CHECKING:

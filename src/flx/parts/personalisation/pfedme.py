@@ -16,17 +16,17 @@ the authors' code does. With a regulariser :math:`h` (pFedFBE's composite settin
 gradient steps on :math:`f_i + h + \frac{\lambda}{2} \lVert \theta - w \rVert^2`: our extension for the composite
 experiments, the identity for :math:`h = 0`.
 
-The evaluated personal model (``personal``): ``optimum`` (the default) is the paper's :math:`\theta_i(w)` of Eqs.
-2-3 at the current global model, the inner problem solved on the client's training rows to ``personal_tol`` (relative
+The evaluated personal model (``personal``): ``optimum`` (the default) is the paper's :math:`\theta_i(w)` of Eqs. 2-3 at
+the current global model, the inner problem solved on the client's training rows to ``personal_tol`` (relative
 gradient-mapping norm, null: the dtype's default) in at most ``personal_max_steps`` iterations
-(:func:`flx.parts.moreau.moreau_solve`; a warning, once, when a client reaches the cap), memoised per client for
-as long as the global model is unchanged (the evaluation, the structure metrics and the objective ask for the same
-model; the memo is a pure function of :math:`w`, kept on the CPU, dropped when :math:`w` changes). ``stored`` is the
-last local step's :math:`\theta` of the client's last round (kept in ``client.state`` on the CPU store, never as
+(:func:`flx.parts.personalisation.moreau.moreau_solve`; a warning, once, when a client reaches the cap), memoised per
+client for as long as the global model is unchanged (the evaluation, the structure metrics and the objective ask for the
+same model; the memo is a pure function of :math:`w`, kept on the CPU, dropped when :math:`w` changes). ``stored`` is
+the last local step's :math:`\theta` of the client's last round (kept in ``client.state`` on the CPU store, never as
 per-client copies on the accelerator; Algorithm 1 lets every client compute while only the cohort trains here), the
 global model for a client never sampled. ``steps`` (formerly ``solve``) runs :math:`K` full-batch inner steps from the
-current global model. The step's training loss is the task loss of :math:`w` on :math:`D` before the step, in eval
-mode (:meth:`~flx.federation.Federation.eval_loss`).
+current global model. The step's training loss is the task loss of :math:`w` on :math:`D` before the step, in eval mode
+(:meth:`~flx.federation.Federation.eval_loss`).
 
 Symbols: ``lam`` (:math:`\lambda`), ``personal_lr`` (:math:`\nu`), ``inner_steps`` (:math:`K`), ``eta`` (``algo.lr``).
 """
@@ -44,9 +44,9 @@ from typing_extensions import override
 
 from flx.errors import bad_value, check_fields, count
 from flx.hooks import PERSONAL_HEADLINE, FederatedCallback
-from flx.parts.fbe import as_regularizer, full_grad
-from flx.parts.moreau import default_tol, moreau_solve
-from flx.parts.personal_model import install, keep, stored
+from flx.parts.personalisation.fbe import as_regularizer, full_grad
+from flx.parts.personalisation.moreau import default_tol, moreau_solve
+from flx.parts.personalisation.personal_model import install, keep, stored
 from flx.regularizers import Regularizer
 from flx.traits import PartTraits
 
@@ -69,7 +69,7 @@ class PFedMeParams:
     personal_lr: float = 0.09
     inner_steps: int = 5
     personal: str = "optimum"
-    personal_tol: float | None = None  # None: flx.parts.moreau.default_tol of the parameters' dtype
+    personal_tol: float | None = None  # None: flx.parts.personalisation.moreau.default_tol of the parameters' dtype
     personal_max_steps: int = 1000
 
 
@@ -87,7 +87,7 @@ def inner_solve(
 
 class PFedMe(FederatedCallback):
     """pFedMe's local update (``local_update``) and personal model (``personalize``); ``regularizer`` as in
-    :class:`~flx.parts.fbe.FBE` (None: :math:`h = 0`, pFedMe as published)."""
+    :class:`~flx.parts.personalisation.fbe.FBE` (None: :math:`h = 0`, pFedMe as published)."""
 
     traits = PartTraits(uploads={}, headline=PERSONAL_HEADLINE)  # theta_i stays on the client
 

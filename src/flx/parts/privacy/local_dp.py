@@ -45,7 +45,7 @@ from flx.aggregation import numel
 from flx.autodiff import row_grads
 from flx.clipping import LinearRows, NotRowwise, clipped_sum
 from flx.errors import ConfigError, bad_value
-from flx.parts.dp_budget import Budgeted, BudgetParams
+from flx.parts.privacy.dp_budget import Budgeted, BudgetParams
 from flx.sampling import derive_seed, fresh_rows
 from flx.traits import PartTraits
 from flx.vectorized import foldable
