@@ -105,6 +105,7 @@ class Objective(FederatedCallback):
     def __init__(self, regularizer: Mapping[str, Any] | None = None) -> None:
         self.h = make_regularizer(regularizer)
         self.bound = False
+        self._fed: FederationView | None = None  # set by on_attach
         self.splits: tuple[str, ...] = ("val", "test")  # the splits with per-client rows (check)
         self._declare()
 
@@ -119,6 +120,10 @@ class Objective(FederatedCallback):
             self._declare()
 
     @override
+    def on_attach(self, fed: FederationView) -> None:
+        self._fed = fed  # read in Lightning's evaluation hooks
+
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log("val", trainer, pl_module)
 
@@ -127,7 +132,7 @@ class Objective(FederatedCallback):
         self._log("test", trainer, pl_module)
 
     def _log(self, stage: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        fed = getattr(pl_module, "federation", None)
+        fed = self._fed
         if trainer.sanity_checking or fed is None or fed.rnd is None:
             return
         if not self.bound:

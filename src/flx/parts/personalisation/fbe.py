@@ -185,10 +185,12 @@ class FBE(FederatedCallback):
             if getattr(p, key) is not None and getattr(p, key) < 1:
                 raise bad_value(f"algo.{key}", getattr(p, key), ">= 1, or null")
         self.reg = as_regularizer(regularizer)
+        self._fed: FederationView | None = None  # set by on_attach
 
     @override
     def on_attach(self, fed: FederationView) -> None:
         self.reg.bind(fed.net)
+        self._fed = fed  # read in Lightning's evaluation hooks
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -200,7 +202,7 @@ class FBE(FederatedCallback):
 
     def _log_objective(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``train/fbe_objective`` (:func:`fbe_objective`) of the global model, once it exists."""
-        fed = getattr(pl_module, "federation", None)
+        fed = self._fed
         if trainer.sanity_checking or fed is None or fed.rnd is None:
             return
         value = fbe_objective(fed, self.params.lam, self.reg)  # the same on every rank after the sum

@@ -70,10 +70,15 @@ class ClientLoss(FederatedCallback):
         self.last: Tensor | None = None  # the latest (N,) vector, for inspection
         metrics = ("train/client_loss_max", "train/client_loss_mean") if self.params.enabled else ()
         self.traits = PartTraits(uploads={}, metrics=metrics)
+        self._fed: FederationView | None = None  # the federation of on_attach, read in Lightning's hooks
+
+    @override
+    def on_attach(self, fed: FederationView) -> None:
+        self._fed = fed
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        fed = getattr(pl_module, "federation", None)
+        fed = self._fed
         # fed.rnd is None until the first round: a validation before any round has no global model to report on
         if not self.params.enabled or trainer.sanity_checking or fed is None or fed.rnd is None:
             return
