@@ -1,11 +1,13 @@
-"""What the reproduction scripts share: the paper settings they run (``configs/experiment/``), the per-round curve
-figure, the mean ± std cell of a results table, the step-size search of ``--tune`` and the runner of ``--jobs``."""
+"""What the reproduction scripts share: the paper settings they run (``configs/experiment/``), the store of finished
+runs (a sweep resumes), the per-round curve figure, the mean ± std cell of a results table, the step-size search of
+``--tune`` and the runner of ``--jobs``."""
 
 from __future__ import annotations
 
 import json
 import math
 import multiprocessing
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -48,6 +50,40 @@ def config_key(overrides: Sequence[str]) -> str:
     for key in ("paths", "task_name"):
         resolved.pop(key)
     return hashlib.sha256(json.dumps(_floats(resolved), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stored_run(
+    store: Path, overrides: Sequence[str], train_missing: bool = True, keep: Callable[[str], bool] | None = None
+) -> dict | None:
+    """One training run of ``overrides``, kept in ``store/<key>.json`` under its resolved config
+    (:func:`config_key`) as ``{"overrides", "final", "curves"}``; a later call of the same run reads it back, so a
+    killed sweep resumes where it stopped and several processes can fill one store (each file is written whole, then
+    renamed into place). ``train_missing`` False: None for a run not in the store (nothing trains). ``keep``: which
+    curves (by metric key) to store (default: all)."""
+    import tempfile
+
+    key = config_key(overrides)
+    path = store / f"{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    if not train_missing:
+        return None
+    from flx.config import precheck
+    from flx.run import train
+
+    with tempfile.TemporaryDirectory() as out:
+        final = train(precheck([*overrides, f"paths.output_dir={out}"]))
+        curves = json.loads((Path(out) / "curves.json").read_text())
+    record = {
+        "overrides": list(overrides),
+        "final": {k: float(v) for k, v in final.items()},
+        "curves": {k: v for k, v in curves.items() if keep is None or keep(k)},
+    }
+    store.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+    return record
 
 
 def _floats(value: Any) -> Any:

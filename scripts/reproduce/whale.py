@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import shlex
@@ -83,7 +82,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "src"))  # flx, for the experiments' values
-from common import QUIET_CPU, composed, config_key, data_available, mean_std, plot_curves  # noqa: E402
+from common import QUIET_CPU, composed, data_available, mean_std, plot_curves, stored_run  # noqa: E402
 
 OUT = ROOT / "docs" / "results" / "whale"
 BASE = [*QUIET_CPU]
@@ -115,31 +114,14 @@ QUICK = ["model.widths=[8,16,32,64]", "algo.fisher=max_tensor_mean", "algo.u_th=
 
 
 def run(args: list[str], seed: int, sigma: int, rounds: int, every: int, train_missing: bool = True) -> tuple | None:
-    """One training run of ``args`` (the experiment, the method, extra overrides); its result is kept in ``OUT/runs/``
-    under its resolved config (:func:`common.config_key`), and a later call of the same run reads it back (so the
-    sweep resumes, and several processes can fill the store for one table). The experiment gives every method of a
-    seed the same partition and device trace (``partition.seed``, ``system.trace_seed``: ``${seed}``)."""
-    from flx.config import precheck
-    from flx.run import train
-
+    """One training run of ``args`` (the experiment, the method, extra overrides), kept in ``OUT/runs/`` under its
+    resolved config (:func:`common.stored_run`: the sweep resumes, and several processes can fill the store for one
+    table). The experiment gives every method of a seed the same partition and device trace (``partition.seed``,
+    ``system.trace_seed``: ``${seed}``)."""
     over = [*BASE, *args, f"partition.classes_per_client={sigma}", f"seed={seed}", f"algo.rounds={rounds}"]
     over.append(f"eval_every={every}")
-    key = config_key(over)
-    stored = OUT / "runs" / f"{key}.json"
-    if stored.exists():
-        record = json.loads(stored.read_text())
-        return record["final"], record["curves"]
-    if not train_missing:
-        return None
-    with tempfile.TemporaryDirectory() as out:
-        final = train(precheck([*over, f"paths.output_dir={out}"]))
-        curves = json.loads((Path(out) / "curves.json").read_text())
-    stored.parent.mkdir(parents=True, exist_ok=True)
-    final = {k: float(v) for k, v in final.items()}
-    tmp = stored.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"overrides": over, "final": final, "curves": curves}))
-    tmp.replace(stored)
-    return final, curves
+    record = stored_run(OUT / "runs", over, train_missing)
+    return None if record is None else (record["final"], record["curves"])
 
 
 def time_to_target(curves: dict, target: float) -> float:
