@@ -264,6 +264,7 @@ def write(out: Path, argv: list[str], args, settings, methods, seeds, lrs, runs,
             cell = mean_std(v, 100, 2) if v else "n/a"
             cells.append(f"**{cell}**" if v and statistics.mean(v) == best_of[s] else cell)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", *claims(finals, settings, methods)]
     lines += [
         "",
         f"Wall time: {wall:.0f} s." if not args.stored_only else "Built from the stored runs (no training).",
@@ -274,6 +275,35 @@ def write(out: Path, argv: list[str], args, settings, methods, seeds, lrs, runs,
         csv.writer(f).writerows([["setting", "method", "seed", "lr", "test_acc", "personal_acc", "unseen_acc"], *rows])
     plot(out / "accuracy.png", settings, methods, seeds, runs, args)
     print((out / "table.md").read_text())
+
+
+LABEL_SKEW = ("Dir(0.1)", "Dir(0.5)", "#C=2")  # NIID-Bench's label skews: where SCAFFOLD gains (its Section 5.3)
+
+
+def claims(finals: dict[tuple, list[float]], settings: list[str], methods: list[str]) -> list[str]:
+    """NIID-Bench's two findings, as this sweep measured them: which method is best in each setting (its finding: none
+    wins everywhere) and SCAFFOLD against FedAvg under label skew (its finding: SCAFFOLD gains there); a difference is
+    called a gain or a loss only when it exceeds the two methods' seed spreads added."""
+    best = {}
+    for s in settings:
+        means = {m: statistics.mean(finals[(s, m)]) for m in methods if finals[(s, m)]}
+        if means:
+            best[s] = max(means, key=means.__getitem__)
+    if not best:
+        return []
+    winners = sorted(set(best.values()))
+    verdict = "no method is best in every setting" if len(winners) > 1 else f"{winners[0]} is best in every setting"
+    out = ["### NIID-Bench's findings, measured here", "", "- Best final test accuracy per setting: "]
+    out[-1] += ", ".join(f"{s}: {m}" for s, m in best.items()) + f" ({verdict})."
+    for s in (s for s in settings if s in LABEL_SKEW):
+        a, b = finals.get((s, "FedAvg")), finals.get((s, "SCAFFOLD"))
+        if not a or not b:
+            continue
+        diff = (statistics.mean(b) - statistics.mean(a)) * 100
+        spread = sum(statistics.stdev(v) if len(v) > 1 else 0.0 for v in (a, b)) * 100
+        word = "within the seeds' spread" if abs(diff) <= spread else "a gain" if diff > 0 else "a loss"
+        out.append(f"- {s}: SCAFFOLD - FedAvg = {diff:+.2f} points ({word}; spreads added {spread:.2f}).")
+    return out
 
 
 def plot(path: Path, settings, methods, seeds, runs, args) -> None:
