@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_BLOCK = re.compile(r"^```(bash|sh|console)\n(.*?)^```", flags=re.S | re.M)
 EXAMPLE = re.compile(r"^(?:[A-Z_]+=\S+\s+)*python train\.py\b")  # env assignments, then the entry point
+SCRIPT = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|\.venv/bin/python) (scripts/\S+\.py)\b")  # a script's line
 # what a line needs that no test machine has: such a line is checked (its config composed), never run
 NOT_HERE = ("SLURM", "a GPU", "several machines", "a network")
 # a previous run's folder, as the pages write it: the test's base run (one round of the default config) stands in

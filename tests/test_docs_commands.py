@@ -27,11 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from doc_commands import EXAMPLE, ROOT, Command, commands, shortened
+from doc_commands import EXAMPLE, ROOT, SCRIPT, Command, commands, shortened
 from runs import flx_lines
 
 PAGES = sorted((ROOT / "docs").glob("*.md"))
-SCRIPT = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:python3?|\.venv/bin/python) (scripts/\S+\.py)\b")
 # the not-runnable lines by what they need, counted: a new one must be added here on purpose
 NOT_RUN = {"SLURM": 3, "several machines": 2, "a network": 1, "a GPU": 1}
 # the values a launcher gives a template's variables ("$SLURM_NTASKS_PER_NODE": train.sbatch's 1 node x 4 tasks)
@@ -221,10 +220,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_scripts_exist_and_take_the_printed_options(tmp_path: Path) -> None:
-    """Each ``python scripts/...`` line names a script that exists, whose ``--help`` exits 0 and whose parser accepts
-    the printed options (the scripts train for minutes to hours: they are not run here). One process a script."""
+    """Each ``python scripts/...`` line (of the docs pages and the README) names a script that exists, whose ``--help``
+    exits 0 and whose parser accepts the printed options (the scripts train for minutes to hours: they are not run
+    here). One process a script."""
     by_script: dict[str, list[list[str]]] = {}
-    for c in _all():
+    for c in [*_all(), *commands(ROOT / "README.md")]:
         if SCRIPT.match(c.text):
             args = _script_args(c)
             by_script.setdefault(args[0], [[args[0], "--help"]]).append(args)

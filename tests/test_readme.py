@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from doc_commands import EXAMPLE, ROOT, RUN_FOLDERS, SHORT, Command, commands, shortened
+from doc_commands import EXAMPLE, ROOT, RUN_FOLDERS, SCRIPT, SHORT, Command, commands, shortened
 from runs import flx_lines
 
 README = ROOT / "README.md"
@@ -21,13 +21,15 @@ CLEAN_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 def test_readme_set_up_and_examples() -> None:
     """The README sets up with one line that activates make's venv, and its examples are ``python train.py`` lines
-    (the slow test below runs each of them; a line of another shape would have to be added there)."""
+    (the slow test below runs each of them; a line of another shape would have to be added there) or
+    ``python scripts/...`` lines (tests/test_docs_commands.py checks that each script takes its printed options)."""
     lines = commands(README)
     assert [(c.text, c.comment) for c in lines if c.text.startswith("source ")] == [
         ("source .venv/bin/activate", "in every new shell: the `python train.py ...` lines below run in that venv")
     ]
     examples = [c for c in lines if EXAMPLE.match(c.text)]
-    others = [str(c) for c in lines if not EXAMPLE.match(c.text) and not c.text.startswith(("source ", "make "))]
+    known = (EXAMPLE.match, SCRIPT.match, lambda text: text.startswith(("source ", "make ")))
+    others = [str(c) for c in lines if not any(kind(c.text) for kind in known)]
     assert len(examples) == 8 and others == [], others
     assert [c.needs for c in examples if c.needs] == [("CIFAR-10",)] and sum(RUN in c.text for c in examples) == 2
 
