@@ -24,8 +24,9 @@ of the objective whose weights :math:`c` averages the :math:`c_j` with, whatever
 
 Choices: option II by default (``algo.control=option2``, the paper's experiments); option I's :math:`g_i(x)` is the
 gradient of the client's mean loss over all its training rows at :math:`x` (an extra pass, as the paper describes
-it), in chunks of at most ``CHUNK`` rows. :math:`c_i` starts at 0 for every client and :math:`c` at 0 (line 1's
-initialisation), :math:`c_i` lives in the client state store, :math:`c` in the part's state. Option II's
+it), in chunks of at most ``CHUNK`` rows. :math:`c_i` and :math:`c` start at 0 (Algorithm 1 takes them as inputs; zeros
+keep :math:`c` the weighted mean of the :math:`c_i`); :math:`c_i` lives in the client state store, :math:`c` in the
+part's state. Option II's
 :math:`(x - y_i)/(K \eta_l)` is the clients' mean corrected gradient for plain SGD (``algo.momentum=0``); with
 momentum it is the mean step instead. :math:`\Delta c_i`, weighted, rides in the round's one all-reduce (a declared
 channel: privacy parts refuse it).
