@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import linear, make_fed, raises_one_line, run_rounds
 from least_squares import f64, flat, grad, mse, regression, xt
+from test_one_collective import Group
 
 from flx.federation import Federation
 from flx.parts.personalisation.apfl import APFL
@@ -123,3 +124,24 @@ def test_resumed_equals_uninterrupted() -> None:
             expected = flat(whole.params)
         with second.personalize(cid):
             assert torch.equal(flat(second.params), expected)
+
+
+def test_two_ranks_equal_one() -> None:
+    """v_i and alpha_i of clients trained on either rank reach both through the round's state all-gather."""
+    data = regression([7, 5, 6, 8])
+    kw = dict(clients_per_round=3, seed=4)
+    one = _fed(data, [APFL()], **kw)
+    run_rounds(one, 3)
+    group = Group(2)
+    ranks = [
+        _fed(data, [APFL()], rank=r, world_size=2, reduce_sum=group.reduce_sum(r), gather=group.gather(r), **kw)
+        for r in (0, 1)
+    ]
+    group.run([lambda r=r: run_rounds(ranks[r], 3) for r in (0, 1)])
+    for fed in ranks:
+        torch.testing.assert_close(flat(fed.params), flat(one.params), rtol=0, atol=1e-12)
+        for cid in one.store.client_ids():
+            with one.personalize(cid):
+                expected = flat(one.params)
+            with fed.personalize(cid):
+                torch.testing.assert_close(flat(fed.params), expected, rtol=0, atol=1e-12)

@@ -8,10 +8,12 @@ One ALA step on a minibatch :math:`D`: :math:`\hat\Theta = \Theta_i + (\Theta - 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import make_fed, raises_one_line, run_rounds, toy_data
 from least_squares import flat
+from test_one_collective import Group
 from torch import Tensor, nn
 
 from flx.federation import Federation
@@ -84,18 +86,23 @@ def _ala_steps(old, g, w, x: Tensor, y: Tensor, eta: float, batch: int, epochs: 
     return w
 
 
-def test_initialisation_matches_the_hand_computation() -> None:
-    """Client 0 over rounds 1 (its first ALA: W from 1, epochs until the losses settle; num_pre_loss 1 and an
-    always-met threshold stop it after 2 epochs) and 2 (one epoch from the stored W); s = 50: 5 of its 10
-    rows, drawn from its (seed, round, 0, copy 0, tag) stream; minibatches of 2 (a short last one)."""
+@pytest.mark.parametrize(
+    ("stop", "first_epochs"),
+    [(dict(num_pre_loss=1, threshold=1e9), 2), (dict(num_pre_loss=1, threshold=0.0, max_epochs=3), 3)],
+)
+def test_initialisation_matches_the_hand_computation(stop: dict, first_epochs: int) -> None:
+    """Client 0 over rounds 1 (its first ALA: W from 1, epochs until the losses settle: with a window of 1 an
+    always-met threshold stops after 2 epochs, a threshold of 0 never, so max_epochs does) and 2 (one epoch from the
+    stored W); s = 50: 5 of its 10 rows, drawn from its (seed, round, 0, copy 0, tag) stream; minibatches of 2 (a
+    short last one)."""
     seed, eta = 1, 0.7
     rec = _Init()
-    parts = [FedALA(rand_percent=50, eta=eta, num_pre_loss=1, threshold=1e9), rec]
+    parts = [FedALA(rand_percent=50, eta=eta, **stop), rec]
     fed = _fed(parts, toy_data([10, 8], dtype=f64), batch_size=2, seed=seed)  # both clients every round
     data, idx = fed.data, fed.data.client_indices[0]
     w = [torch.ones(3, 4, dtype=f64), torch.ones(3, dtype=f64)]
     run_rounds(fed, 1)
-    for r, epochs in ((1, 2), (2, 1)):
+    for r, epochs in ((1, first_epochs), (2, 1)):
         g = [p.detach().clone() for p in fed.params]
         old = [fed.store.get(0)[f"fedala/theta/{k}"] for k in range(4)]
         run_rounds(fed, 1, start=r)
@@ -153,3 +160,18 @@ def test_bad_options_stop_with_one_line() -> None:
     raises_one_line(FedALA, max_epochs=0, match="algo.max_epochs")
     raises_one_line(FedALA, layer_idx=1.5, match="algo.layer_idx")
     raises_one_line(_fed, [FedALA(layer_idx=3)], match="at most the net's 2 layers")
+
+
+def test_two_ranks_equal_one() -> None:
+    """Theta_i and W_i of clients trained on either rank reach both through the round's state all-gather."""
+    one = _fed([FedALA()])
+    run_rounds(one, 4)
+    group = Group(2)
+    ranks = [
+        _fed([FedALA()], rank=r, world_size=2, reduce_sum=group.reduce_sum(r), gather=group.gather(r)) for r in (0, 1)
+    ]
+    group.run([lambda r=r: run_rounds(ranks[r], 4) for r in (0, 1)])
+    for fed in ranks:
+        torch.testing.assert_close(flat(fed.params), flat(one.params), rtol=0, atol=1e-12)
+        for cid in one.store.client_ids():
+            torch.testing.assert_close(flat(list(fed.store.get(cid).values())), flat(list(one.store.get(cid).values())))
