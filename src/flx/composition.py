@@ -17,8 +17,10 @@ from flx.errors import ConfigError, bad_value
 from flx.hooks import CLIENT_HOOKS, COHORT_FORM, STEP_HOOKS, Build, FederatedCallback, overrides
 from flx.traits import Channel
 
-# every hook that shapes a local step, and those of them that replace the step's own gradient of the client's rows
+# every hook that shapes a local step, and those of them that replace the step's own gradient of the client's rows;
+# on_client_start sets the model the steps start from (FedALA learns it on the rows): named when no step hook is
 _SHAPES_STEPS = ("local_update", *STEP_HOOKS, *COHORT_FORM.values())
+_STARTS = ("on_client_start",)
 _REPLACES_STEPS = ("local_update", "sample_batch", "local_grad", "local_loss", "cohort_grad")
 
 
@@ -81,7 +83,7 @@ def _edits_aggregate(p: Pair) -> str | None:
 
 
 def _reads_rows(p: Pair) -> str | None:
-    hooks = [h for h in _SHAPES_STEPS if overrides(p.part, h)]
+    hooks = [h for h in _SHAPES_STEPS if overrides(p.part, h)] or [h for h in _STARTS if overrides(p.part, h)]
     if not hooks or (p.part.traits.steps == "data_free" and not set(hooks) & set(_REPLACES_STEPS)):
         return None
     guard, other = p.names

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 #   "own":     a value the declaring part releases through its own mechanism (a clipped count it noises itself)
 CHANNEL_KINDS = ("rows", "iterate", "loss", "count", "own")
 
-# What a part's step hooks read: "rows" (the client's rows or values computed from them) or "data_free" (only the
-# models: the local one, the round's global one), e.g. a proximal term
+# What a part's step hooks and its on_client_start read: "rows" (the client's rows or values computed from them) or
+# "data_free" (only the models: the local one, the round's global one), e.g. a proximal term
 STEP_READS = ("rows", "data_free")
 
 
@@ -58,7 +58,8 @@ class PartTraits:
             default) for *undeclared*. A part that declares its uploads may register only those statistics; a part
             that hooks the client side and leaves them undeclared is refused beside a part that protects the uploads.
             Metrics logged for the researcher only are not uploads.
-        steps: what its step hooks read (:data:`STEP_READS`).
+        steps: what its step hooks and its ``on_client_start`` (the model the steps start from) read
+            (:data:`STEP_READS`).
         vectorizable: its client hooks have cohort forms (``on_cohort_grad``, ``on_cohort_step_end``:
             ``algo.vectorize``).
         aggregator: the ``algo.aggregator`` its server step needs, and why (one line), or None.

@@ -22,6 +22,7 @@ from flx.datamodules.datamodule import ClientStore
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
 from flx.parts.personalisation.fbe import FBE
+from flx.parts.personalisation.fedala import FedALA
 from flx.parts.privacy.local_dp import _LOSS_TAG, _NOISE_TAG, LocalDP
 from flx.parts.proximal.prox import Prox
 from flx.parts.robustness.lambda_sampling import LambdaSampling
@@ -283,6 +284,24 @@ def test_composition_refuses_what_the_clipping_does_not_cover() -> None:
             return [0]
 
     check_pairs([Sampler(), _dp()])
+
+
+def test_composition_refuses_a_start_learned_on_the_rows() -> None:
+    """A part whose ``on_client_start`` reads the rows (``steps="rows"``) sets where the clipped steps start from the
+    data, unclipped and unnoised (FedALA's W_i): refused; a data-free start (the models only) is allowed."""
+
+    class Start(FederatedCallback):
+        traits = PartTraits(uploads={}, steps="data_free")
+
+        def on_client_start(self, fed, client):
+            pass
+
+    check_pairs([Start(), _dp()])
+    Start.traits = PartTraits(uploads={})
+    with pytest.raises(ConfigError, match="Start hooks the local steps \\(on_client_start\\)"):
+        check_pairs([Start(), _dp()])
+    with pytest.raises(ConfigError, match="FedALA hooks the local steps \\(on_client_start\\)"):
+        check_pairs([FedALA(), _dp()])
 
 
 def test_a_released_loss_by_hand() -> None:

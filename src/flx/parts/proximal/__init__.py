@@ -1,2 +1,3 @@
-"""Proximal local steps: FedProx's proximal term against client drift (:mod:`.prox`), and FedMiD / FedDualAvg's prox
-steps for a nonsmooth regulariser (:mod:`.prox_step`)."""
+"""Proximal local steps and local objective terms: FedProx's proximal term against client drift (:mod:`.prox`), MOON's
+model-contrastive term (:mod:`.moon`), and FedMiD / FedDualAvg's prox steps for a nonsmooth regulariser
+(:mod:`.prox_step`)."""
