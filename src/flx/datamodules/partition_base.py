@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flx.datamodules.partition_ops import as_labels, check_is_partition, integer, real
 from flx.datamodules.ragged import Ragged, as_ragged
 from flx.errors import bad_value
+
+if TYPE_CHECKING:
+    from flx.datamodules.niid_bench import FeatureNoise
 
 
 @dataclass(frozen=True)
@@ -29,12 +33,16 @@ class ClientSplit:
         num_heldout: the last ``num_heldout`` clients never train (no round samples them); they are evaluation
             clients: their ``train`` rows are the rows a personalised model may adapt on (their support set) and their
             ``test`` rows the rows it is measured on (their query set).
+        noise: optional per-client feature noise (NIID-Bench's noise-based feature skew,
+            :class:`~flx.datamodules.niid_bench.NoiseFeature`), added to each client's rows when the data are built
+            (:func:`~flx.datamodules.niid_bench.with_feature_noise`); ``None``: the inputs as loaded.
     """
 
     train: Ragged[np.ndarray]
     test: Ragged[np.ndarray]
     support: Ragged[np.ndarray] | None = None
     num_heldout: int = 0
+    noise: FeatureNoise | None = None
 
     def __post_init__(self) -> None:
         for name in ("train", "test", "support"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from flx.datamodules.few_shot import FewShot
+from flx.datamodules.niid_bench import LabelQuantity, NiidQuantity, NoiseFeature
 from flx.datamodules.partition_base import ClientSplit, Partitioner
 from flx.datamodules.partition_file import check_covers, read_partition_file
 from flx.datamodules.partition_ops import (
@@ -343,6 +344,9 @@ PARTITIONERS: dict[str, type[Partitioner]] = {
     "by_group": ByGroup,
     "from_file": FromFile,
     "few_shot": FewShot,
+    "label_quantity": LabelQuantity,
+    "niid_quantity": NiidQuantity,
+    "noise_feature": NoiseFeature,
 }
 """Partitioners by their config name."""
 
