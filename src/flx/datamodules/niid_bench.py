@@ -28,36 +28,19 @@ class, is :class:`flx.datamodules.partitioners.Dirichlet` (``partition=dirichlet
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from flx.datamodules.partition_base import ClientSplit, Partitioner
+from flx.datamodules.partition_base import ClientSplit, FeatureNoise, Partitioner
 from flx.datamodules.partition_ops import group_by_class, integer, parts_from_owners, positive, real
 from flx.datamodules.ragged import Ragged, chunk_sizes
 from flx.errors import bad_value
 
 DIRICHLET_MAX_TRIES = 1000
 """How many Dirichlet draws :class:`NiidQuantity` makes before giving up on ``min_size``."""
-NOISE_STREAM = 0x6E6F697365
-"""Mixed into the seed of the feature noise, so it is a stream of its own (not the partition's draws)."""
 NOISE_RULES = ("paper", "code")
-
-
-@dataclass(frozen=True)
-class FeatureNoise:
-    """Per-client additive Gaussian feature noise: client ``c``'s rows get ``N(0, std[c]^2)`` per input entry, drawn
-    from ``np.random.default_rng((NOISE_STREAM, seed, c))``."""
-
-    std: np.ndarray
-    seed: int
-
-    def draw(self, client: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Client ``client``'s noise for ``shape`` (rows first, in ascending row order), float64."""
-        rng = np.random.default_rng((NOISE_STREAM, self.seed, client))
-        return rng.standard_normal(shape) * self.std[client]
 
 
 def with_feature_noise(x: Tensor, split: ClientSplit) -> Tensor:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,8 +11,22 @@ from flx.datamodules.partition_ops import as_labels, check_is_partition, integer
 from flx.datamodules.ragged import Ragged, as_ragged
 from flx.errors import bad_value
 
-if TYPE_CHECKING:
-    from flx.datamodules.niid_bench import FeatureNoise
+NOISE_STREAM = 0x6E6F697365
+"""Mixed into the seed of :class:`FeatureNoise`, so the noise is a stream of its own (not the partition's draws)."""
+
+
+@dataclass(frozen=True)
+class FeatureNoise:
+    """Per-client additive Gaussian feature noise (:class:`~flx.datamodules.niid_bench.NoiseFeature`): client ``c``'s
+    rows get ``N(0, std[c]^2)`` per input entry, drawn from ``np.random.default_rng((NOISE_STREAM, seed, c))``."""
+
+    std: np.ndarray
+    seed: int
+
+    def draw(self, client: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Client ``client``'s noise for ``shape`` (rows first, in ascending row order), float64."""
+        rng = np.random.default_rng((NOISE_STREAM, self.seed, client))
+        return rng.standard_normal(shape) * self.std[client]
 
 
 @dataclass(frozen=True)
