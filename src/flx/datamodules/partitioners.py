@@ -12,8 +12,9 @@ then called as ``split = partitioner(labels, seed)`` or ``partitioner(labels, se
 
 "Classes" always means the distinct label values present in ``labels`` (they need not be ``0..C-1``). Real-valued
 targets (regression, ``data=diabetes``) and token targets (a masked language model, ``data=wikitext2``) have no classes:
-only the schemes that ignore the labels (``uses_labels = False``: iid, quantity_skew, by_group, from_file) can split
-them, called with placeholder labels by the datamodule; the others stop with one line (:func:`needs_labels`).
+only the schemes that ignore the labels (``uses_labels = False``: iid, quantity_skew, by_group, from_file, and
+NIID-Bench's niid_quantity and noise_feature) can split them, called with placeholder labels by the datamodule; the
+others stop with one line (:func:`needs_labels`). NIID-Bench's partitions are in :mod:`flx.datamodules.niid_bench`.
 """
 
 from __future__ import annotations
