@@ -31,6 +31,7 @@ generator's order: sizes, :math:`u`, :math:`B`, :math:`v`, then per device :math
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,7 @@ def input_std(dim: int) -> np.ndarray:
 
 def _check(key: str, value: object, low: float, integer: bool) -> float:
     number = isinstance(value, (int, np.integer) if integer else (int, float, np.integer, np.floating))
-    if isinstance(value, bool) or not number or not np.isfinite(value) or value < low:  # type: ignore[arg-type]
+    if isinstance(value, bool) or not number or not math.isfinite(float(value)) or value < low:  # type: ignore[arg-type]
         kind = "an integer" if integer else "a finite number"
         raise bad_value(f"data.loader.{key}", value, f"must be {kind} >= {low:g}")
     return value  # type: ignore[return-value]
