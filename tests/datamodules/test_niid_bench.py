@@ -10,7 +10,8 @@ from scipy import stats
 
 from flx.datamodules.datamodule import FederatedDataModule
 from flx.datamodules.datasets import digits
-from flx.datamodules.niid_bench import FeatureNoise, LabelQuantity, NiidQuantity, NoiseFeature, with_feature_noise
+from flx.datamodules.niid_bench import LabelQuantity, NiidQuantity, NoiseFeature, with_feature_noise
+from flx.datamodules.partition_base import FeatureNoise
 from flx.datamodules.partitioners import IID
 from flx.datamodules.protocol import DataProtocol
 from flx.datamodules.ragged import chunk_sizes
