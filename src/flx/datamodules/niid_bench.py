@@ -28,15 +28,17 @@ class, is :class:`flx.datamodules.partitioners.Dirichlet` (``partition=dirichlet
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from flx.datamodules.partition_base import ClientSplit, FeatureNoise, Partitioner
 from flx.datamodules.partition_ops import group_by_class, integer, parts_from_owners, positive, real
 from flx.datamodules.ragged import Ragged, chunk_sizes
 from flx.errors import bad_value
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 DIRICHLET_MAX_TRIES = 1000
 """How many Dirichlet draws :class:`NiidQuantity` makes before giving up on ``min_size``."""
@@ -45,7 +47,10 @@ NOISE_RULES = ("paper", "code")
 
 def with_feature_noise(x: Tensor, split: ClientSplit) -> Tensor:
     """``x`` (the training store) with each client's noise added to its rows (train and held-out, ascending row
-    order); a copy, the other rows unchanged. ``x`` itself when the split has no noise."""
+    order); a copy, the other rows unchanged. ``x`` itself when the split has no noise. (torch is imported here, not
+    at the top: the partition code stays torch-free for the pre-run check.)"""
+    import torch
+
     if split.noise is None:
         return x
     if not x.is_floating_point():
