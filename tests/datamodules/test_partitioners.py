@@ -53,6 +53,11 @@ CASES = [
     ("one_class", {"num_clients": 23, "test_fraction": 0.3}),
     ("quantity_skew", {"num_clients": 3, "alpha": 5.0}),
     ("quantity_skew", {"num_clients": 20, "alpha": 0.5, "test_fraction": 0.2, "min_size": 10}),
+    ("label_quantity", {"num_clients": 10, "classes_per_client": 2}),
+    ("label_quantity", {"num_clients": 23, "classes_per_client": 3, "test_fraction": 0.2}),
+    ("niid_quantity", {"num_clients": 10, "alpha": 0.5, "min_size": 10}),
+    ("niid_quantity", {"num_clients": 30, "alpha": 2.0, "test_fraction": 0.1}),
+    ("noise_feature", {"num_clients": 7, "noise": 0.1, "test_fraction": 0.2}),
 ]
 CASE_IDS = [f"{name}-" + "-".join(f"{k}={v}" for k, v in kwargs.items()) for name, kwargs in CASES]
 

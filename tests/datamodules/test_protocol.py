@@ -268,9 +268,10 @@ def test_every_data_config_has_the_protocol_keys() -> None:
         if path.stem == "cifar100_binary":
             continue  # inherits them from cifar10_binary
         assert {"val_fraction", "split_seed", "split_file", "standardize"} <= set(node), path.name
-        # generated clients of fixed size (pFedFBE's 30 x 128 rows): a validation carve would take rows from them;
-        # WikiText-2 validates on its official wiki.valid.tokens
-        val_fraction = 0.0 if path.stem in ("lasso_synthetic", "matrix_completion", "wikitext2") else 0.1
+        # generated clients of fixed size (pFedFBE's 30 x 128 rows, FCUBE's 4 parties, FedProx's 30 devices): a
+        # validation carve would take rows from them; WikiText-2 validates on its official wiki.valid.tokens
+        generated = ("lasso_synthetic", "matrix_completion", "fcube", "fedprox_synthetic")
+        val_fraction = 0.0 if path.stem in (*generated, "wikitext2") else 0.1
         assert node["val_fraction"] == val_fraction and node["split_seed"] == 0, path.name
     for path in (ROOT / "configs" / "partition").glob("*.yaml"):
         assert yaml.safe_load(path.read_text())["seed"] == 0, path.name

@@ -18,6 +18,7 @@ models (:mod:`flx.resources`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -29,6 +30,7 @@ from torch import Tensor
 from flx.choices import CLIENT_EVAL
 from flx.context import ClientData
 from flx.datamodules.client_eval import ClientRows, EvalRows, by_cell, held_cells, holdout
+from flx.datamodules.niid_bench import with_feature_noise
 from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 from flx.datamodules.placement import HostRows, fits_on, index_bytes, rows_on
@@ -163,6 +165,8 @@ class FederatedDataModule(pl.LightningDataModule):
         n = self._client_pool_size()
         groups = {} if self.data.groups_train is None else {"groups": self.data.groups_train[:n].numpy()}
         self.split = self.partitioner(self._partition_labels()[:n], self.seed, **groups)
+        if self.split.noise is not None:  # NIID-Bench's noise-based feature skew: each client's rows, noised once
+            self.data = dataclasses.replace(self.data, x_train=with_feature_noise(self.data.x_train, self.split))
         self.server_rows = torch.arange(n, len(self.data.y_train))
         # each client's rows as int64 tensors: views into one flat tensor (the split's memory), made when asked for
         self.client_train, self.client_test = self.split.train.torch(), self.split.test.torch()

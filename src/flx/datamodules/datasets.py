@@ -11,6 +11,7 @@ Formats read here:
 * CIFAR-10 / CIFAR-100: the "python version" pickles (unpickled with a numpy-only allowlist).
 * MedMNIST: the ``medmnist`` package's ``.npz`` files.
 * Adult: UCI's ``adult.data`` / ``adult.test`` (read in :mod:`flx.datamodules.adult`).
+* FEMNIST: LEAF JSON (read in :mod:`flx.datamodules.femnist`); 28 x 28 images of 62 classes, one group per writer.
 * Shakespeare: LEAF JSON (read in :mod:`flx.datamodules.shakespeare`); inputs are int64 character ids.
 * WikiText-2: the word-level ``.tokens`` files (read in :mod:`flx.datamodules.wikitext`); int64 word ids in and out
   (a masked language model).
@@ -37,6 +38,7 @@ from sklearn.model_selection import train_test_split
 
 from flx.datamodules import files
 from flx.datamodules.adult import adult
+from flx.datamodules.femnist import femnist
 from flx.datamodules.files import EMNIST_CLASSES, IDX_NAMES, MEDMNIST_2D
 from flx.datamodules.formats import (
     Split,
@@ -61,6 +63,7 @@ __all__ = [
     "digits",
     "emnist",
     "fashion_mnist",
+    "femnist",
     "medmnist",
     "mnist",
     "shakespeare",

@@ -158,18 +158,37 @@ def adult(root: str) -> dict[str, Path]:
     return find_files("adult", "Adult", data_dir(root) / "adult", ADULT_FILES, expected)
 
 
-def leaf_json(directory: Path) -> list[Path]:
-    """The ``*.json`` files of a LEAF split folder, sorted by name."""
+LEAF_FEMNIST_HOW = (
+    "LEAF's FEMNIST: in leaf/data/femnist run ./preprocess.sh -s niid --sf 0.05 -k 0 -t sample (--sf 1.0: every "
+    "writer) and copy its data/train and data/test folders to <paths.data_dir>/femnist/"
+)
+"""How to get the FEMNIST files (LEAF, Caldas et al., arXiv:1812.01097)."""
+
+
+def leaf_json(directory: Path, data: str = "shakespeare", what: str = "LEAF Shakespeare", how: str = "") -> list[Path]:
+    """The ``*.json`` files of a LEAF split folder, sorted by name (``how``: how to get them, for the error)."""
     files = sorted(directory.glob("*.json")) if directory.is_dir() else []
     if not files:
-        expected = "LEAF JSON files *.json with keys users, num_samples, user_data"
-        raise not_found("shakespeare", "LEAF Shakespeare", directory, expected)
+        expected = "LEAF JSON files *.json with keys users, num_samples, user_data" + (f"; {how}" if how else "")
+        raise not_found(data, what, directory, expected)
     return files
 
 
 def shakespeare(root: str) -> tuple[list[Path], list[Path]]:
     directory = data_dir(root) / "shakespeare"
     return leaf_json(directory / "train"), leaf_json(directory / "test")
+
+
+def femnist_dir(root: str) -> Path:
+    """``<root>/femnist``, or ``<root>/femnist/data`` when that holds LEAF's ``train`` folder (LEAF's own layout)."""
+    base = data_dir(root) / "femnist"
+    return base / "data" if not (base / "train").is_dir() and (base / "data" / "train").is_dir() else base
+
+
+def femnist(root: str) -> tuple[list[Path], list[Path]]:
+    directory = femnist_dir(root)
+    find = [leaf_json(directory / s, "femnist", "LEAF FEMNIST", LEAF_FEMNIST_HOW) for s in ("train", "test")]
+    return find[0], find[1]
 
 
 WIKITEXT2_FILES = ("wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens")
@@ -213,6 +232,7 @@ DATASETS: dict[str, Dataset] = {
         Dataset("medmnist", medmnist),
         Dataset("adult", adult),
         Dataset("shakespeare", shakespeare),
+        Dataset("femnist", femnist),
         Dataset("wikitext2", wikitext2),
     )
 }

@@ -11,6 +11,23 @@ from flx.datamodules.partition_ops import as_labels, check_is_partition, integer
 from flx.datamodules.ragged import Ragged, as_ragged
 from flx.errors import bad_value
 
+NOISE_STREAM = 0x6E6F697365
+"""Mixed into the seed of :class:`FeatureNoise`, so the noise is a stream of its own (not the partition's draws)."""
+
+
+@dataclass(frozen=True)
+class FeatureNoise:
+    """Per-client additive Gaussian feature noise (:class:`~flx.datamodules.niid_bench.NoiseFeature`): client ``c``'s
+    rows get ``N(0, std[c]^2)`` per input entry, drawn from ``np.random.default_rng((NOISE_STREAM, seed, c))``."""
+
+    std: np.ndarray
+    seed: int
+
+    def draw(self, client: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Client ``client``'s noise for ``shape`` (rows first, in ascending row order), float64."""
+        rng = np.random.default_rng((NOISE_STREAM, self.seed, client))
+        return rng.standard_normal(shape) * self.std[client]
+
 
 @dataclass(frozen=True)
 class ClientSplit:
@@ -29,12 +46,16 @@ class ClientSplit:
         num_heldout: the last ``num_heldout`` clients never train (no round samples them); they are evaluation
             clients: their ``train`` rows are the rows a personalised model may adapt on (their support set) and their
             ``test`` rows the rows it is measured on (their query set).
+        noise: optional per-client feature noise (NIID-Bench's noise-based feature skew,
+            :class:`~flx.datamodules.niid_bench.NoiseFeature`), added to each client's rows when the data are built
+            (:func:`~flx.datamodules.niid_bench.with_feature_noise`); ``None``: the inputs as loaded.
     """
 
     train: Ragged[np.ndarray]
     test: Ragged[np.ndarray]
     support: Ragged[np.ndarray] | None = None
     num_heldout: int = 0
+    noise: FeatureNoise | None = None
 
     def __post_init__(self) -> None:
         for name in ("train", "test", "support"):

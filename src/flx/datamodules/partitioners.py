@@ -12,8 +12,9 @@ then called as ``split = partitioner(labels, seed)`` or ``partitioner(labels, se
 
 "Classes" always means the distinct label values present in ``labels`` (they need not be ``0..C-1``). Real-valued
 targets (regression, ``data=diabetes``) and token targets (a masked language model, ``data=wikitext2``) have no classes:
-only the schemes that ignore the labels (``uses_labels = False``: iid, quantity_skew, by_group, from_file) can split
-them, called with placeholder labels by the datamodule; the others stop with one line (:func:`needs_labels`).
+only the schemes that ignore the labels (``uses_labels = False``: iid, quantity_skew, by_group, from_file, and
+NIID-Bench's niid_quantity and noise_feature) can split them, called with placeholder labels by the datamodule; the
+others stop with one line (:func:`needs_labels`). NIID-Bench's partitions are in :mod:`flx.datamodules.niid_bench`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from flx.datamodules.few_shot import FewShot
+from flx.datamodules.niid_bench import LabelQuantity, NiidQuantity, NoiseFeature
 from flx.datamodules.partition_base import ClientSplit, Partitioner
 from flx.datamodules.partition_file import check_covers, read_partition_file
 from flx.datamodules.partition_ops import (
@@ -343,6 +345,9 @@ PARTITIONERS: dict[str, type[Partitioner]] = {
     "by_group": ByGroup,
     "from_file": FromFile,
     "few_shot": FewShot,
+    "label_quantity": LabelQuantity,
+    "niid_quantity": NiidQuantity,
+    "noise_feature": NoiseFeature,
 }
 """Partitioners by their config name."""
 

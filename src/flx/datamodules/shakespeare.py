@@ -16,7 +16,6 @@ user train and test samples). A user's group id is its position among the kept u
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from flx.datamodules import files
+from flx.datamodules import files, leaf
 from flx.datamodules.formats import _corrupt
 from flx.datamodules.store import TensorData
-from flx.errors import ConfigError, bad_value
+from flx.errors import ConfigError
 
 LEAF_CHARS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 """LEAF's Shakespeare vocabulary (``ALL_LETTERS`` in its ``language_utils.py``): the id of a character is its index."""
@@ -75,36 +74,13 @@ def _check_user(path: Path, user: str, record: Any, count: Any) -> tuple[list[st
     return x, y
 
 
-def _read_json(path: Path) -> UserData:
-    """The users of one LEAF JSON file, in its ``users`` order."""
-    try:
-        blob = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _corrupt("shakespeare", path, f"{type(err).__name__}: {err}") from err
-    keys = ("users", "num_samples", "user_data")
-    if not isinstance(blob, dict) or any(k not in blob for k in keys):
-        raise _corrupt("shakespeare", path, "expected a LEAF JSON object with keys users, num_samples, user_data")
-    users, counts, data = blob["users"], blob["num_samples"], blob["user_data"]
-    if not isinstance(users, list) or not isinstance(counts, list) or len(users) != len(counts):
-        raise _corrupt("shakespeare", path, "users and num_samples must be lists of the same length")
-    if not isinstance(data, dict) or any(u not in data for u in users):
-        raise _corrupt("shakespeare", path, "user_data must have an entry for every user")
-    return {str(u): _check_user(path, str(u), data[u], n) for u, n in zip(users, counts)}
-
-
 def read_leaf(directory: Path) -> UserData:
     """All users of the ``*.json`` files of a LEAF split folder (files sorted by name).
 
     Raises:
         ConfigError: if there is no JSON file, a file is malformed, or a user appears in two files.
     """
-    users: UserData = {}
-    for path in files.leaf_json(directory):
-        for user, samples in _read_json(path).items():
-            if user in users:
-                raise _corrupt("shakespeare", path, f"user {user!r} also appears in an earlier file")
-            users[user] = samples
-    return users
+    return leaf.read_split(files.leaf_json(directory), "shakespeare", _check_user)
 
 
 def _encode(users: list[str], data: UserData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,22 +90,6 @@ def _encode(users: list[str], data: UserData) -> tuple[np.ndarray, np.ndarray, n
     groups = [np.full(len(y), g, dtype=np.int64) for g, y in enumerate(ys)]
     empty = (np.empty((0, SEQ_LEN), np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
     return tuple(np.concatenate(parts) if parts else e for parts, e in zip((xs, ys, groups), empty))
-
-
-def _kept_users(train: UserData, num_users: int | None) -> list[str]:
-    """The first ``num_users`` train users (all of them for ``None``)."""
-    users = list(train)
-    if num_users is None:
-        return users
-    if isinstance(num_users, bool) or not isinstance(num_users, int) or num_users < 1:
-        raise bad_value("data.loader.num_users", num_users, "must be an integer >= 1, or null for every user")
-    if num_users > len(users):
-        raise bad_value(
-            "data.loader.num_users",
-            num_users,
-            f"the train files hold only {len(users)} users; use at most {len(users)}, or null",
-        )
-    return users[:num_users]
 
 
 def shakespeare(root: str, num_users: int | None = None, standardize: bool = True) -> TensorData:
@@ -149,7 +109,7 @@ def shakespeare(root: str, num_users: int | None = None, standardize: bool = Tru
     directory = files.data_dir(root) / "shakespeare"
     train = read_leaf(directory / "train")
     test = read_leaf(directory / "test")
-    users = _kept_users(train, num_users)
+    users = leaf.kept_users(list(train), num_users)
     x_train, y_train, g_train = _encode(users, train)
     x_test, y_test, g_test = _encode(users, {u: test.get(u, ([], [])) for u in users})
     if len(y_test) == 0:
