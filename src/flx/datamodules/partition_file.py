@@ -3,7 +3,7 @@
 Format: ``{"clients": [{"train": [row, ...], "test": [row, ...]}, ...]}``, one entry per client, in client-id order;
 rows index the training split as the datamodule holds it (after ``data.split_file`` / the validation carve and any
 imbalance subsample); ``test`` (the client's own held-out rows) is optional. Every training row must be in exactly
-one client.
+one client. A run's file also lists the clients kept out of training, ``"unseen": [id, ...]`` (``partition.unseen_clients``).
 """
 
 from __future__ import annotations
@@ -150,11 +150,13 @@ def _json_lists(arrays: Ragged[np.ndarray], start: int, stop: int) -> list[str]:
 def save_partition(path: str | Path, split: Any) -> None:
     """Writes a :class:`~flx.datamodules.partitioners.ClientSplit` in the format of :func:`read_partition_file`:
     the bytes of ``json.dumps({"clients": [{"train": [...], "test": [...]}, ...]})``, written a chunk of clients at a
-    time."""
+    time; a split with unseen clients (its held-out ones, ``partition.unseen_clients``, few_shot's) adds their ids,
+    ``"unseen": [T, ..., C - 1]`` (the last ones; ``partition=from_file`` reads only ``clients``)."""
     train, test = as_ragged(split.train), as_ragged(split.test)
     with open(path, "w") as file:
         file.write('{"clients": [')
         for start in range(0, len(train), SAVE_CHUNK):
             pairs = zip(_json_lists(train, start, start + SAVE_CHUNK), _json_lists(test, start, start + SAVE_CHUNK))
             file.write((", " if start else "") + ", ".join(f'{{"train": [{tr}], "test": [{te}]}}' for tr, te in pairs))
-        file.write("]}")
+        held = getattr(split, "num_heldout", 0)  # the unseen clients: the last ones
+        file.write(f'], "unseen": {list(range(len(train) - held, len(train)))}}}' if held else "]}")

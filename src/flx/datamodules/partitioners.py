@@ -88,9 +88,10 @@ class _AlphaPartitioner(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.alpha = alpha
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -160,9 +161,10 @@ class Shards(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.classes_per_client = classes_per_client
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -297,6 +299,8 @@ class FromFile(Partitioner):
         num_clients: ``None`` takes the file's client count; a number must equal it.
         test_fraction: see :class:`Partitioner`.
         min_size: see :class:`Partitioner`.
+        seed: the seed of the ``test_fraction`` hold-out and of the unseen clients.
+        unseen_clients: see :class:`Partitioner`.
     """
 
     name = "from_file"
@@ -309,12 +313,13 @@ class FromFile(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.path, (self._train, self._test) = path, read_partition_file(path)
         if num_clients is not None and num_clients != len(self._train):
             why = f"{path} lists {len(self._train)} clients; leave partition.num_clients null or set it to that"
             raise bad_value("partition.num_clients", num_clients, why)
-        super().__init__(len(self._train), test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(len(self._train), test_fraction, min_size, seed, unseen_clients)
         if self.test_fraction > 0 and len(self._test.values):
             why = f"{path} already lists each client's test rows; set partition.test_fraction=0"
             raise bad_value("partition.test_fraction", self.test_fraction, why)
@@ -329,8 +334,9 @@ class FromFile(Partitioner):
         train = self._train.sorted()
         self._check_min_size(train.sizes() + self._test.sizes())
         if len(self._test.values):
-            return ClientSplit(train=train, test=self._test.sorted())
-        return self._split_test(train, np.random.default_rng(seed if self.seed is None else self.seed))
+            return self._hold_out(ClientSplit(train=train, test=self._test.sorted()), seed)
+        split = self._split_test(train, np.random.default_rng(seed if self.seed is None else self.seed))
+        return self._hold_out(split, seed)
 
 
 PARTITIONERS: dict[str, type[Partitioner]] = {
