@@ -253,8 +253,9 @@ def _take(arrays: Ragged[np.ndarray], order: np.ndarray) -> Ragged[np.ndarray]:
 
 
 def hold_out(split: ClientSplit, unseen: np.ndarray) -> ClientSplit:
-    """``split`` (no held-out clients yet) with the clients ``unseen`` moved last, as its held-out clients (``num_heldout``): the clients that
-    train keep their order and are numbered ``0..T-1``, the unseen ones follow in ascending order of their old ids."""
+    """``split`` (no held-out clients yet) with the clients ``unseen`` moved last, as its held-out clients
+    (``num_heldout``): the clients that train keep their order and are numbered ``0..T-1``, the unseen ones follow in
+    ascending order of their old ids."""
     n = split.num_clients
     order = np.concatenate([np.setdiff1d(np.arange(n), unseen), np.asarray(unseen, dtype=np.int64)])
     support = None if split.support is None else _take(split.support, order)

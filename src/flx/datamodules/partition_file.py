@@ -3,7 +3,8 @@
 Format: ``{"clients": [{"train": [row, ...], "test": [row, ...]}, ...]}``, one entry per client, in client-id order;
 rows index the training split as the datamodule holds it (after ``data.split_file`` / the validation carve and any
 imbalance subsample); ``test`` (the client's own held-out rows) is optional. Every training row must be in exactly
-one client. A run's file also lists the clients kept out of training, ``"unseen": [id, ...]`` (``partition.unseen_clients``).
+one client. A run's file also lists the clients kept out of training, ``"unseen": [id, ...]``
+(``partition.unseen_clients``).
 """
 
 from __future__ import annotations
