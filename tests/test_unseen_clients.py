@@ -235,3 +235,37 @@ def test_fine_tuning_adapts_an_unseen_client_on_its_own_rows(fedavg) -> None:
                 p -= 0.03 * g  # algo.adapt_lr
         accs.append(_acc(tuned.eval(), dm, dm.split.test[c]))
     assert metrics["unseen/personal_acc_mean"] == pytest.approx(sum(accs) / 2, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_regression_logs_the_mse_of_the_unseen_clients(tmp_path: Path) -> None:
+    """``task=regression``: ``unseen/mse`` is the mean squared error of the (untrained) global model over every row of
+    the unseen clients, ``participating/mse`` over the training clients' test rows."""
+    args = [
+        "task=regression",
+        "data=diabetes",
+        "partition=iid",
+        "partition.num_clients=6",
+        "partition.unseen_clients=2",
+    ]
+    args += [
+        "partition.test_fraction=0.25",
+        "model=linear",
+        "algo.clients_per_round=2",
+        "logger=none",
+        "checkpoint=null",
+    ]
+    dm, module, trainer = build(precheck([*args, "trainer.enable_progress_bar=false", f"paths.output_dir={tmp_path}"]))
+    metrics = trainer.test(module, datamodule=dm, verbose=False)[0]
+    split, x, y = dm.split, dm.data.x_train, dm.data.y_train
+    rows = {
+        "unseen": np.concatenate(
+            [split.train.values[split.train.offsets[4] :], split.test.values[split.test.offsets[4] :]]
+        ),
+        "participating": split.test.values[: split.test.offsets[4]],
+    }
+    for name, r in rows.items():
+        r = torch.from_numpy(np.sort(r))
+        with torch.no_grad():
+            mse = float(((module.net(x[r]).reshape(y[r].shape) - y[r]) ** 2).double().mean())
+        assert metrics[f"{name}/mse"] == pytest.approx(mse, rel=1e-5), name
