@@ -29,7 +29,8 @@ from flx.config import precheck
 from flx.datamodules.datamodule import ClientStore
 from flx.datamodules.few_shot import FewShot
 from flx.datamodules.partition_base import UNSEEN_STREAM, unseen_ids
-from flx.datamodules.partitioners import IID, Dirichlet
+from flx.datamodules.partition_file import save_partition
+from flx.datamodules.partitioners import IID, Dirichlet, FromFile
 from flx.errors import ConfigError
 from flx.hooks import FederatedCallback
 from flx.run import build
@@ -269,3 +270,17 @@ def test_regression_logs_the_mse_of_the_unseen_clients(tmp_path: Path) -> None:
         with torch.no_grad():
             mse = float(((module.net(x[r]).reshape(y[r].shape) - y[r]) ** 2).double().mean())
         assert metrics[f"{name}/mse"] == pytest.approx(mse, rel=1e-5), name
+
+
+def test_a_runs_partition_file_gives_its_unseen_clients_back(tmp_path: Path) -> None:
+    """``partition=from_file`` on a saved split with unseen clients: the same clients, rows and unseen set; a file
+    with ``unseen`` and ``partition.unseen_clients`` set stops with one line."""
+    split = IID(10, test_fraction=0.2, seed=0, unseen_clients=3)(LABELS, 0)
+    save_partition(tmp_path / "p.json", split)
+    assert json.loads((tmp_path / "p.json").read_text())["unseen"] == [7, 8, 9]
+    back = FromFile(str(tmp_path / "p.json"))(LABELS, 0)
+    assert back.num_heldout == 3 and FromFile(str(tmp_path / "p.json")).num_train_clients == 7
+    for a, b in zip([*split.train, *split.test], [*back.train, *back.test]):
+        assert np.array_equal(a, b)
+    with pytest.raises(ConfigError, match=r"^partition.unseen_clients=2: .* leave partition.unseen_clients null$"):
+        FromFile(str(tmp_path / "p.json"), unseen_clients=2)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from flx.datamodules.few_shot import FewShot
-from flx.datamodules.partition_base import ClientSplit, Partitioner
-from flx.datamodules.partition_file import check_covers, read_partition_file
+from flx.datamodules.partition_base import ClientSplit, Partitioner, hold_out
+from flx.datamodules.partition_file import check_covers, read_partition
 from flx.datamodules.partition_ops import (
     as_labels,
     balanced_class_choice,
@@ -300,7 +300,8 @@ class FromFile(Partitioner):
         test_fraction: see :class:`Partitioner`.
         min_size: see :class:`Partitioner`.
         seed: the seed of the ``test_fraction`` hold-out and of the unseen clients.
-        unseen_clients: see :class:`Partitioner`.
+        unseen_clients: see :class:`Partitioner`; null where the file lists its ``unseen`` clients (a run's
+            ``partition.json``), which are then the unseen ones.
     """
 
     name = "from_file"
@@ -315,7 +316,7 @@ class FromFile(Partitioner):
         seed: int | None = None,
         unseen_clients: int | float | None = None,
     ) -> None:
-        self.path, (self._train, self._test) = path, read_partition_file(path)
+        self.path, (self._train, self._test, self._unseen) = path, read_partition(path)
         if num_clients is not None and num_clients != len(self._train):
             why = f"{path} lists {len(self._train)} clients; leave partition.num_clients null or set it to that"
             raise bad_value("partition.num_clients", num_clients, why)
@@ -323,6 +324,19 @@ class FromFile(Partitioner):
         if self.test_fraction > 0 and len(self._test.values):
             why = f"{path} already lists each client's test rows; set partition.test_fraction=0"
             raise bad_value("partition.test_fraction", self.test_fraction, why)
+        if self._unseen is not None and self.unseen_clients:
+            why = f"{path} lists its unseen clients ('unseen'); leave partition.unseen_clients null"
+            raise bad_value("partition.unseen_clients", self.unseen_clients, why)
+
+    @property
+    def num_unseen(self) -> int:
+        """The file's ``unseen`` clients, else ``partition.unseen_clients``."""
+        unseen = getattr(self, "_unseen", None)
+        return len(unseen) if unseen is not None else super().num_unseen
+
+    def _hold_out(self, split: ClientSplit, seed: int) -> ClientSplit:
+        """The file's ``unseen`` clients moved last (a run's file: they are already), else the seeded rule."""
+        return super()._hold_out(split, seed) if self._unseen is None else hold_out(split, np.sort(self._unseen))
 
     def __repr__(self) -> str:
         return f"FromFile(path={self.path!r}, num_clients={self.num_clients}, test_fraction={self.test_fraction})"
