@@ -223,6 +223,11 @@ TRACEBACKS = [
     pytest.param(("privacy.target_epsilon=8",), ("privacy=central", "privacy.target_epsilon=8"), id="no-privacy-mode"),
     pytest.param(("algo=fedadam", "algo.server.betas=abc"), ("algo.server.betas='abc'", "[0, 1)"), id="betas-abc"),
     pytest.param(("algo=fedprox", "algo.mu=nan"), ("algo.mu=nan", "not a number"), id="mu-nan"),
+    pytest.param(  # 20 clients, 10 a round: 15 unseen leave 5 to train
+        ("partition.unseen_clients=15",),
+        ("partition.unseen_clients=15", "fewer than algo.clients_per_round=10"),
+        id="unseen-leaves-too-few",
+    ),
 ]
 
 

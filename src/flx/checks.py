@@ -78,10 +78,15 @@ def check_partition(cfg: DictConfig) -> None:
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         raise ConfigError(f"partition: {one_line(e)}") from None
-    train = getattr(part, "num_train_clients", part.num_clients)  # few_shot: the held-out clients never train
-    if not _every_client(cfg) and cfg.algo.clients_per_round > train:  # from_file: the count comes from the file
-        why = f"must be <= the number of training clients ({train})"
-        raise bad_value("algo.clients_per_round", cfg.algo.clients_per_round, why)
+    train = getattr(part, "num_train_clients", part.num_clients)  # the unseen (few_shot: held-out) clients never train
+    k = cfg.algo.get("clients_per_round")
+    if _every_client(cfg) or k <= train:  # from_file: the count comes from the file
+        return
+    unseen = OmegaConf.select(cfg, "partition.unseen_clients")
+    if unseen and k <= part.num_clients:
+        why = f"leaves {train} of the {part.num_clients} clients to train, fewer than algo.clients_per_round={k}"
+        raise bad_value("partition.unseen_clients", unseen, why)
+    raise bad_value("algo.clients_per_round", k, f"must be <= the number of training clients ({train})")
 
 
 def _every_client(cfg: DictConfig) -> bool:

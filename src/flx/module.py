@@ -50,8 +50,9 @@ class FederatedModule(pl.LightningModule):
             :class:`~flx.federation.Federation` itself is built, whole, when the fit starts (``self.federation``).
         num_classes: number of classes ``C`` (0 for real-valued targets).
         num_clients: number of clients (the size of the per-client metrics), or one such size per split (``val``,
-            ``test``): 0 for a split without per-client evaluation rows, whose per-client metrics are never updated
-            (no ``C``-sized counters for a million clients that nothing measures).
+            ``test``, and the side splits of unseen clients, ``participating`` and ``unseen``): 0 for a split without
+            per-client evaluation rows, whose per-client metrics are never updated (no ``C``-sized counters for a
+            million clients that nothing measures).
         fingerprint: what a checkpoint of this run must agree with to be resumed (:func:`flx.resume.fingerprint`);
             saved in every checkpoint.
         task: the loss and the metrics (:mod:`flx.tasks`); default :class:`~flx.tasks.Classification`.
@@ -73,8 +74,9 @@ class FederatedModule(pl.LightningModule):
         self._part_states: dict[str, Any] = {}  # a checkpoint's part states, loaded once the parts are attached
         self.task = task if task is not None else Classification()
         self.automatic_optimization = False
-        sizes = num_clients if isinstance(num_clients, Mapping) else dict.fromkeys(("val", "test"), num_clients)
-        self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, sizes[s]) for s in ("val", "test")})
+        sizes = dict.fromkeys(("val", "test"), 0 if isinstance(num_clients, Mapping) else num_clients)
+        sizes |= num_clients if isinstance(num_clients, Mapping) else {}  # with unseen clients: their side splits too
+        self.metrics = nn.ModuleDict({s: self.task.metrics(num_classes, n) for s, n in sizes.items()})
         # the dtype of logged values and of the metrics' results: float64 in a float64 run (set in setup)
         self.logged_dtype = torch.float32
         self.reporter = Reporter(self)  # what is logged: the round's row, the evaluation's metrics, W&B tables

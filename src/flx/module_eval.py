@@ -3,7 +3,9 @@
 inside the validation loop with ``eval_test``), each loader feeding the split's overall and per-client metrics as the
 datamodule's ``eval_plan`` says; at the loop's end the ranks' sums are added up, a non-finite validation loss stops the
 run as diverged, and with a part that personalises each client's personalised model is measured on its own rows
-(:func:`flx.evaluation.evaluate_clients`). What is logged, and under which keys: :mod:`flx.module_logging`.
+(:func:`flx.evaluation.evaluate_clients`). With unseen clients (``partition.unseen_clients``) the test split brings two
+side splits of training-store rows, ``participating/*`` and ``unseen/*`` (and the unseen clients' personalised models,
+``unseen/personal_*``). What is logged, and under which keys: :mod:`flx.module_logging`.
 """
 
 from __future__ import annotations
@@ -60,14 +62,15 @@ class Evaluator:
             if stage == "val":
                 self.check_finite(split)
             reporter.log_split(split, dm.has_client_rows(split))
-            if dm.has_client_rows(split) and module.federation.parts_with("personalize"):
+            if dm.has_personal_rows(split) and module.federation.parts_with("personalize"):
                 self.personal(split)
 
     def personal_metrics(self, stage: str, name: str) -> None:
-        """:meth:`personal` under ``name`` on every split of ``stage`` (``val`` / ``test``) that has per-client rows."""
+        """:meth:`personal` under ``name`` on every split of ``stage`` (``val`` / ``test``) that has per-client rows
+        (``unseen``: the unseen clients' held-out rows)."""
         dm = self.module.trainer.datamodule
         for split in dict.fromkeys(loader.split for loader in dm.eval_plan(stage)):
-            if dm.has_client_rows(split):
+            if dm.has_personal_rows(split):
                 self.personal(split, name)
 
     def personal(self, split: str, name: str = "personal") -> None:

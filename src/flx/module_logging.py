@@ -7,7 +7,8 @@ call per round (:meth:`Reporter.log_round`), not through ``self.log``: Lightning
 a key and round (docs/performance.md). Evaluation metrics go through the module's ``log`` (Lightning's epoch-end
 aggregation of the validation/test loops). Keys: classification ``val/acc``, ``val/loss``,
 ``val/client_acc_{mean,worst,std}``, binary tasks also ``val/auroc``, ``val/pauc_0.3``, ``val/pauc_0.5``; regression
-``val/loss``, ``val/mse``, ``val/rmse``, ``val/client_mse_{mean,worst,std}``; ``test/*`` likewise, round-level keys
+``val/loss``, ``val/mse``, ``val/rmse``, ``val/client_mse_{mean,worst,std}``; ``test/*`` likewise, and with unseen
+clients ``participating/*`` and ``unseen/*`` (:data:`flx.datamodules.datamodule.SIDE_SPLITS`), round-level keys
 under ``fl/`` (``round``: communication rounds so far, ``local_steps``: local iterations per client so far,
 ``cohort``, ``samples``), simulated time under ``sim/`` (``round_time``, ``clock``: seconds, with a ``system``).
 """
@@ -48,11 +49,28 @@ def metric_names(task: Task, parts: list[Any], datamodule: Any, simulated: bool)
     for split in splits:
         rows = datamodule.has_client_rows(split)
         names += [f"{split}/{n}" for n in task.metric_names(datamodule.data.num_classes, rows)]
-        names += [f"{split}/personal_{task.client_key}_{k}" for k in SPREAD] if personal and rows else []
+        own = personal and datamodule.has_personal_rows(split)
+        names += [f"{split}/personal_{task.client_key}_{k}" for k in SPREAD] if own else []
     for part in fed_parts:
         for name in part.traits.metrics:
             names += [name.format(split=s) for s in splits] if "{split}" in name else [name]
     return tuple(dict.fromkeys(names))
+
+
+def participation_gap(metrics: Mapping[str, float], key: str) -> dict[str, float]:
+    """The final values of a run with unseen clients: ``unseen_<key>`` (the global model on the unseen clients' rows)
+    and ``participation_gap``, ``participating/<key> - unseen/<key>`` (Yuan et al., ICLR 2022: the metric on the
+    participating clients' held-out rows less the metric on clients that never participate; ``key``: the task's
+    per-client metric, ``acc`` or ``mse``). Empty without unseen clients; no gap without the participating
+    clients' held-out rows (``partition.test_fraction=0``).
+
+    >>> participation_gap({"participating/acc": 0.75, "unseen/acc": 0.5}, "acc")
+    {'unseen_acc': 0.5, 'participation_gap': 0.25}
+    """
+    out = {f"unseen_{key}": float(metrics[f"unseen/{key}"])} if f"unseen/{key}" in metrics else {}
+    if out and f"participating/{key}" in metrics:
+        out["participation_gap"] = float(metrics[f"participating/{key}"]) - out[f"unseen_{key}"]
+    return out
 
 
 class Reporter:

@@ -45,6 +45,7 @@ from flx.launch import (
 )
 from flx.models.build import net_from_config as build_net
 from flx.module import FederatedModule, metric_names
+from flx.module_logging import participation_gap
 from flx.resources import build_server_resources
 from flx.resume import check_ckpt, fingerprint, newest_round_file
 from flx.server import ServerOptConfig
@@ -322,7 +323,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         module, datamodule=dm, verbose=False, ckpt_path=_tested_checkpoint(cfg, trainer), weights_only=True
     )
     metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
-    extra = {
+    extra: dict[str, float | str] = {**participation_gap(metrics, module.task.client_key)}  # unseen clients
+    extra |= {
         k: v for cb in trainer.callbacks if isinstance(cb, FederatedCallback) for k, v in cb.final_values().items()
     }
     log_wandb(trainer, {f"final/{k}": v for k, v in extra.items()})  # the run's summary says it too

@@ -158,3 +158,13 @@ def test_noise_feature_refuses_token_inputs_and_bad_options_in_one_line() -> Non
     raises_one_line(with_feature_noise, torch.zeros(10, 4, dtype=torch.int64), split, match="partition='noise_feature'")
     raises_one_line(NoiseFeature, 2, noise=-1.0, match="partition.noise=-1.0")
     raises_one_line(NoiseFeature, 2, rule="both", match="partition.rule='both'")
+
+
+def test_noise_stays_with_its_client_when_unseen_clients_move_last() -> None:
+    """``partition.unseen_clients`` renumbers the clients (the unseen ones last): each keeps its rows and its noise, so
+    the noised store is the same as without unseen clients, row for row."""
+    plain = NoiseFeature(6, noise=0.4)(LABELS, seed=1)
+    held = NoiseFeature(6, noise=0.4, unseen_clients=2)(LABELS, seed=1)
+    assert held.num_heldout == 2 and not _same(held, plain)  # renumbered
+    x = torch.randn(len(LABELS), 3)
+    assert torch.equal(with_feature_noise(x, held), with_feature_noise(x, plain))

@@ -35,6 +35,7 @@ from flx.datamodules.partition_file import save_partition
 from flx.datamodules.partitioners import REAL_TARGETS, TOKEN_TARGETS, needs_labels
 from flx.datamodules.placement import HostRows, fits_on, index_bytes, rows_on
 from flx.datamodules.protocol import DataProtocol, load, save_split
+from flx.datamodules.ragged import Ragged
 from flx.datamodules.round_loader import RoundLoader
 from flx.datamodules.store import TensorData
 from flx.errors import bad_value
@@ -42,6 +43,12 @@ from flx.metrics.client_summary import ClientCells
 
 if TYPE_CHECKING:
     from flx.resources import ServerResources
+
+UNSEEN, PARTICIPATING = "unseen", "participating"
+SIDE_SPLITS = (PARTICIPATING, UNSEEN)
+"""The splits of a run with unseen clients (``partition.unseen_clients``), evaluated with the test split: the
+global model on the participating clients' held-out rows and on the unseen clients' rows (``participating/*``,
+``unseen/*``; the participation gap of Yuan et al., ICLR 2022, is the difference)."""
 
 
 class EvalLoader(NamedTuple):
@@ -177,6 +184,19 @@ class FederatedDataModule(pl.LightningDataModule):
         self.clients = ClientStore(
             self.data.x_train, self.data.y_train, self.client_train, self.split.num_train_clients, support
         )
+        self._side = self._side_rows()
+
+    def _side_rows(self) -> dict[str, Tensor]:
+        """With unseen clients (the split's held-out ones, the last), the rows of :data:`SIDE_SPLITS` that have any:
+        ``participating``, the clients that train's own held-out rows (their ``test`` rows); ``unseen``, every row of
+        the unseen clients (``train`` and ``test``: none was trained on). Ascending row indices into the store."""
+        split, t = self.split, self.split.num_train_clients
+        if not split.num_heldout:
+            return {}
+        train, test = split.train, split.test
+        unseen = np.concatenate([train.values[train.offsets[t] :], test.values[test.offsets[t] :]])
+        rows = {PARTICIPATING: test.values[: test.offsets[t]], UNSEEN: unseen}
+        return {k: torch.from_numpy(np.sort(v)) for k, v in rows.items() if len(v)}
 
     def _client_pool_size(self) -> int:
         """The client-side training rows (the partitioner's input), checked to leave a row for every client."""
@@ -241,13 +261,29 @@ class FederatedDataModule(pl.LightningDataModule):
         return by_cell(x, y, groups, held)
 
     def has_client_rows(self, split: str) -> bool:
-        """Whether ``split`` (``val`` or ``test``) has per-client evaluation rows."""
-        return self._has_rows[split]
+        """Whether ``split`` (``val`` or ``test``) has per-client evaluation rows (the side splits have none)."""
+        return self._has_rows.get(split, False)
+
+    def has_personal_rows(self, split: str) -> bool:
+        """Whether ``split`` has rows to measure personalised models on: the per-client rows of ``val`` / ``test``;
+        for ``unseen``, an unseen client's own held-out (``test``) rows (it adapts on its other rows)."""
+        if split == UNSEEN:
+            return bool(self.split.num_heldout) and len(self._unseen_query()[0]) > 0
+        return self.has_client_rows(split)
+
+    def _unseen_query(self) -> tuple[Tensor, Ragged[Tensor]]:
+        """The unseen clients' ``test`` rows (store indices) and each client's positions among them, empty for the
+        clients that train: what an unseen client's personalised model is measured on (few_shot: its query set)."""
+        test, t = self.split.test, self.split.num_train_clients
+        rows = torch.from_numpy(test.values[test.offsets[t] :])
+        sizes = np.concatenate([np.zeros(t, np.int64), test.sizes()[t:]])
+        return rows, Ragged.from_sizes(torch.arange(len(rows)), sizes)
 
     def metric_clients(self) -> dict[str, int]:
         """Per split (``val``, ``test``), how many clients its per-client metrics count: every client where the split
         has per-client rows, else 0 (no ``C``-sized counters that nothing updates: O(1) memory per client)."""
-        return {split: self.num_clients if self.has_client_rows(split) else 0 for split in ("val", "test")}
+        sizes = {split: self.num_clients if self.has_client_rows(split) else 0 for split in ("val", "test")}
+        return sizes | dict.fromkeys(self._side, 0)
 
     def client_cells(self, split: str) -> ClientCells:
         """Which cells of ``split``'s per-client rows each client holds (the loaders carry each row's cell)."""
@@ -255,7 +291,11 @@ class FederatedDataModule(pl.LightningDataModule):
 
     def client_eval_data(self, split: str) -> ClientRows:
         """Each client's evaluation rows of ``split`` (``val`` or ``test``) as ``(x, y)``: the rows its per-client
-        metrics use (``client_eval``), e.g. for the personalised evaluation."""
+        metrics use (``client_eval``), e.g. for the personalised evaluation; for ``unseen``, the unseen clients' own
+        held-out rows (:meth:`has_personal_rows`)."""
+        if split == UNSEEN:
+            rows, per_client = self._unseen_query()
+            return ClientRows(self.data.x_train[rows], self.data.y_train[rows], per_client)
         rows = self._eval_rows[split]
         if rows is None:
             x, y = (self.data.x_val, self.data.y_val) if split == "val" else (self.data.x_test, self.data.y_test)
@@ -301,12 +341,17 @@ class FederatedDataModule(pl.LightningDataModule):
                 plan.append(EvalLoader(split, True, True))
             else:
                 plan += [EvalLoader(split, True, False), EvalLoader(split, False, True)]
+        if "test" in splits:  # the unseen clients are measured wherever the test split is
+            plan += [EvalLoader(side, True, False) for side in self._side]
         return plan
 
     def val_dataloader(self) -> list[TensorBatches]:
         """The validation split's loaders (and the test split's with ``eval_test``); empty: the loop is skipped."""
         loaders = self._split_loaders("val") if self.data.num_val else []
-        return loaders + (self._split_loaders("test") if self.eval_test else [])
+        return loaders + (self.test_dataloader() if self.eval_test else [])
 
     def test_dataloader(self) -> list[TensorBatches]:
-        return self._split_loaders("test")
+        """The test split's loaders, then the side splits' (:meth:`_side_rows`): rows of the training store."""
+        d, size = self.data, self.eval_batch_size
+        side = [TensorBatches((d.x_train, d.y_train), size, r[self._rank_rows(len(r))]) for r in self._side.values()]
+        return self._split_loaders("test") + side

@@ -47,10 +47,11 @@ class FewShot(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.classes_per_client, self.samples_min = classes_per_client, samples_min
         self.support_fraction, self.heldout_fraction = support_fraction, heldout_fraction
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -74,9 +75,15 @@ class FewShot(Partitioner):
         """Held-out clients: ``round(heldout_fraction * num_clients)``."""
         return math.floor(self.heldout_fraction * self.num_clients + 0.5)
 
+    def _check_unseen(self) -> None:
+        if self.unseen_clients:
+            why = "few_shot's held-out clients are its unseen clients: set partition.heldout_fraction instead"
+            raise bad_value("partition.unseen_clients", self.unseen_clients, why)
+
     @property
-    def num_train_clients(self) -> int:
-        return self.num_clients - self.num_heldout
+    def num_unseen(self) -> int:
+        """The held-out clients are the unseen ones."""
+        return self.num_heldout
 
     def __call__(self, labels: np.ndarray, seed: int, groups: np.ndarray | None = None) -> ClientSplit:
         """Draws the clients (``seed`` unless ``partition.seed`` is set); ``groups`` is ignored."""

@@ -84,9 +84,10 @@ class LabelQuantity(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.classes_per_client = classes_per_client
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -144,9 +145,10 @@ class NiidQuantity(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.alpha = alpha
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -194,9 +196,10 @@ class NoiseFeature(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.noise, self.rule = noise, rule
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()

@@ -3,7 +3,8 @@
 Format: ``{"clients": [{"train": [row, ...], "test": [row, ...]}, ...]}``, one entry per client, in client-id order;
 rows index the training split as the datamodule holds it (after ``data.split_file`` / the validation carve and any
 imbalance subsample); ``test`` (the client's own held-out rows) is optional. Every training row must be in exactly
-one client.
+one client. A run's file also lists the clients kept out of training, ``"unseen": [id, ...]``
+(``partition.unseen_clients``; optional, read by ``partition=from_file``).
 """
 
 from __future__ import annotations
@@ -88,10 +89,28 @@ def _well_formed(clients: list[Any]) -> tuple[Ragged[np.ndarray], Ragged[np.ndar
 def read_partition_file(path: str) -> tuple[Ragged[np.ndarray], Ragged[np.ndarray]]:
     """Each client's ``train`` and ``test`` rows from ``path`` (structure checked here, ranges in
     :func:`check_covers`)."""
+    return read_partition(path)[:2]
+
+
+def read_partition(path: str) -> tuple[Ragged[np.ndarray], Ragged[np.ndarray], np.ndarray | None]:
+    """:func:`read_partition_file`, and the file's ``unseen`` client ids (distinct, in range, not every client;
+    None: the file names none)."""
     obj = read_json(path, KEY)
     clients = obj.get("clients") if isinstance(obj, dict) else None
     if not isinstance(clients, list) or not clients:
         raise bad_value(KEY, path, 'must hold {"clients": [{"train": [...], "test": [...]}, ...]} with >= 1 client')
+    if "unseen" not in obj:
+        return (*_client_rows(clients, path), None)
+    unseen = index_array(obj["unseen"], KEY, path, "'unseen'")
+    if len(np.unique(unseen)) != len(unseen) or (len(unseen) and unseen.max() >= len(clients)):
+        raise bad_value(KEY, path, f"'unseen' must list distinct client ids below {len(clients)}")
+    if len(unseen) == len(clients):
+        raise bad_value(KEY, path, "'unseen' lists every client: none would train")
+    return (*_client_rows(clients, path), unseen)
+
+
+def _client_rows(clients: list[Any], path: str) -> tuple[Ragged[np.ndarray], Ragged[np.ndarray]]:
+    """Each client's ``train`` and ``test`` rows of the file's ``clients`` list."""
     rows = _well_formed(clients)
     if rows is not None:
         return rows
@@ -150,11 +169,13 @@ def _json_lists(arrays: Ragged[np.ndarray], start: int, stop: int) -> list[str]:
 def save_partition(path: str | Path, split: Any) -> None:
     """Writes a :class:`~flx.datamodules.partitioners.ClientSplit` in the format of :func:`read_partition_file`:
     the bytes of ``json.dumps({"clients": [{"train": [...], "test": [...]}, ...]})``, written a chunk of clients at a
-    time."""
+    time; a split with unseen clients (its held-out ones, ``partition.unseen_clients``, few_shot's) adds their ids,
+    ``"unseen": [T, ..., C - 1]`` (the last ones)."""
     train, test = as_ragged(split.train), as_ragged(split.test)
     with open(path, "w") as file:
         file.write('{"clients": [')
         for start in range(0, len(train), SAVE_CHUNK):
             pairs = zip(_json_lists(train, start, start + SAVE_CHUNK), _json_lists(test, start, start + SAVE_CHUNK))
             file.write((", " if start else "") + ", ".join(f'{{"train": [{tr}], "test": [{te}]}}' for tr, te in pairs))
-        file.write("]}")
+        held = getattr(split, "num_heldout", 0)  # the unseen clients: the last ones
+        file.write(f'], "unseen": {list(range(len(train) - held, len(train)))}}}' if held else "]}")

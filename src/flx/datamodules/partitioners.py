@@ -23,8 +23,8 @@ import numpy as np
 
 from flx.datamodules.few_shot import FewShot
 from flx.datamodules.niid_bench import LabelQuantity, NiidQuantity, NoiseFeature
-from flx.datamodules.partition_base import ClientSplit, Partitioner
-from flx.datamodules.partition_file import check_covers, read_partition_file
+from flx.datamodules.partition_base import ClientSplit, Partitioner, hold_out
+from flx.datamodules.partition_file import check_covers, read_partition
 from flx.datamodules.partition_ops import (
     as_labels,
     balanced_class_choice,
@@ -90,9 +90,10 @@ class _AlphaPartitioner(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.alpha = alpha
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -162,9 +163,10 @@ class Shards(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
         self.classes_per_client = classes_per_client
-        super().__init__(num_clients, test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(num_clients, test_fraction, min_size, seed, unseen_clients)
 
     def _check_params(self) -> None:
         super()._check_params()
@@ -299,6 +301,9 @@ class FromFile(Partitioner):
         num_clients: ``None`` takes the file's client count; a number must equal it.
         test_fraction: see :class:`Partitioner`.
         min_size: see :class:`Partitioner`.
+        seed: the seed of the ``test_fraction`` hold-out and of the unseen clients.
+        unseen_clients: see :class:`Partitioner`; null where the file lists its ``unseen`` clients (a run's
+            ``partition.json``), which are then the unseen ones.
     """
 
     name = "from_file"
@@ -311,15 +316,29 @@ class FromFile(Partitioner):
         test_fraction: float = 0.0,
         min_size: int = 1,
         seed: int | None = None,
+        unseen_clients: int | float | None = None,
     ) -> None:
-        self.path, (self._train, self._test) = path, read_partition_file(path)
+        self.path, (self._train, self._test, self._unseen) = path, read_partition(path)
         if num_clients is not None and num_clients != len(self._train):
             why = f"{path} lists {len(self._train)} clients; leave partition.num_clients null or set it to that"
             raise bad_value("partition.num_clients", num_clients, why)
-        super().__init__(len(self._train), test_fraction=test_fraction, min_size=min_size, seed=seed)
+        super().__init__(len(self._train), test_fraction, min_size, seed, unseen_clients)
         if self.test_fraction > 0 and len(self._test.values):
             why = f"{path} already lists each client's test rows; set partition.test_fraction=0"
             raise bad_value("partition.test_fraction", self.test_fraction, why)
+        if self._unseen is not None and self.unseen_clients:
+            why = f"{path} lists its unseen clients ('unseen'); leave partition.unseen_clients null"
+            raise bad_value("partition.unseen_clients", self.unseen_clients, why)
+
+    @property
+    def num_unseen(self) -> int:
+        """The file's ``unseen`` clients, else ``partition.unseen_clients``."""
+        unseen = getattr(self, "_unseen", None)
+        return len(unseen) if unseen is not None else super().num_unseen
+
+    def _hold_out(self, split: ClientSplit, seed: int) -> ClientSplit:
+        """The file's ``unseen`` clients moved last (a run's file: they are already), else the seeded rule."""
+        return super()._hold_out(split, seed) if self._unseen is None else hold_out(split, np.sort(self._unseen))
 
     def __repr__(self) -> str:
         return f"FromFile(path={self.path!r}, num_clients={self.num_clients}, test_fraction={self.test_fraction})"
@@ -331,8 +350,9 @@ class FromFile(Partitioner):
         train = self._train.sorted()
         self._check_min_size(train.sizes() + self._test.sizes())
         if len(self._test.values):
-            return ClientSplit(train=train, test=self._test.sorted())
-        return self._split_test(train, np.random.default_rng(seed if self.seed is None else self.seed))
+            return self._hold_out(ClientSplit(train=train, test=self._test.sorted()), seed)
+        split = self._split_test(train, np.random.default_rng(seed if self.seed is None else self.seed))
+        return self._hold_out(split, seed)
 
 
 PARTITIONERS: dict[str, type[Partitioner]] = {
