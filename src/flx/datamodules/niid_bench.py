@@ -220,8 +220,8 @@ class NoiseFeature(Partitioner):
         """The IID split: a random permutation dealt out in ``np.array_split``'s near-equal chunks."""
         return Ragged.from_sizes(rng.permutation(len(labels)), chunk_sizes(len(labels), self.num_clients))
 
-    def __call__(self, labels: np.ndarray, seed: int, groups: np.ndarray | None = None) -> ClientSplit:
-        """The IID split, carrying each client's noise (drawn from the partition seed)."""
-        split = super().__call__(labels, seed, groups)
+    def _hold_out(self, split: ClientSplit, seed: int) -> ClientSplit:
+        """The IID split, carrying each client's noise (drawn from the partition seed), which stays with its client
+        when the unseen clients move last."""
         noise = FeatureNoise(std=self.noise_std(), seed=seed if self.seed is None else self.seed)
-        return dataclasses.replace(split, noise=noise)
+        return super()._hold_out(dataclasses.replace(split, noise=noise), seed)
