@@ -1,0 +1,1 @@
+"""Parts that correct client drift and objective inconsistency: SCAFFOLD, FedDyn, FedNova."""
