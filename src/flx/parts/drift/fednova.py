@@ -17,9 +17,9 @@ rho^{tau_i}) / (1 - rho)) / (1 - rho)``; proximal ``a_{i,k} = (1 - eta mu)^{tau_
 constant unit gradient (:func:`a_norm`).
 
 Each client sends ``x^t - (tau_eff / ||a_i||_1)(x^t - x_i)``, which the core's weighted mean turns into FedNova's
-update (``p_i``: the round's weights ``rnd.weights`` times the draws); ``tau_eff`` is computed from the planned
-cohort (``tau_i = fed.client_steps(i)``, known before any client trains; read at the round's first client end, so
-after every part's ``rnd.set_steps``), as ``a_min + sum_i p_i (||a_i||_1 -
+update (``p_i``: the round's weights ``rnd.weights`` times the draws); ``tau_eff`` is computed from the cohort in
+``on_round_start`` (``tau_i = fed.client_steps(i)`` is known before any client trains; a part that sets steps,
+``rnd.set_steps``, is listed before this one), as ``a_min + sum_i p_i (||a_i||_1 -
 a_min)``, so that equal work gives a factor of exactly 1 and the upload untouched: FedAvg bit for bit.
 ``random_work = [lo, hi]`` makes every cohort client do ``r_i ~ U{lo..hi}`` times its configured work each round
 (``r_i`` from ``(seed, round, client)``: the same on every rank), the paper's random local epochs.
@@ -94,7 +94,7 @@ class FedNova(FederatedCallback):
         if work is not None and not _valid_range(work):
             raise bad_value("algo.random_work", random_work, "null or [lo, hi], integers with 1 <= lo <= hi")
         self.params = FedNovaParams(mu=float(mu), random_work=work)  # type: ignore[arg-type]
-        self.factors: dict[int, float] | None = None  # this round's tau_eff / ||a_i||_1, by client
+        self.factors: dict[int, float] = {}  # this round's tau_eff / ||a_i||_1, by client (on_round_start's)
 
     @override
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
@@ -103,7 +103,7 @@ class FedNova(FederatedCallback):
             for cid in rnd.cohort:  # r_i times the configured work (read before it is set)
                 rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, cid, _WORK_TAG))
                 rnd.set_steps(cid, int(rng.integers(work[0], work[1] + 1)) * fed.client_steps(cid))
-        self.factors = None  # the round's plan is complete (every part's set_steps) at its first client's end
+        self.factors = self.normalisers(fed, rnd)  # after the set_steps of this part and the parts listed before it
 
     def normalisers(self, fed: FederationView, rnd: Round) -> dict[int, float]:
         """``tau_eff / ||a_i||_1`` for every cohort client with rows, with ``p_i`` = ``rnd.weights[i] *
@@ -120,8 +120,6 @@ class FedNova(FederatedCallback):
     @override
     @torch.no_grad()
     def on_client_end(self, fed: FederationView, client: ClientContext) -> None:
-        if self.factors is None:
-            self.factors = self.normalisers(fed, client.round)
         factor = self.factors.get(client.cid, 1.0)
         if factor == 1.0:  # equal work: FedAvg's upload, untouched
             return
