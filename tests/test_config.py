@@ -131,6 +131,11 @@ CASES = [
     Case("server-name-unknown", ("algo.server.name=sgdx",), ("algo.server.name=", "sgdx", "adam")),
     Case("server-lr-zero", ("algo.server.lr=0",), ("algo.server.lr=0", "> 0")),
     Case(
+        "server-initial-accumulator-negative",
+        ("algo=fedyogi", "algo.server.initial_accumulator=-1"),
+        ("algo.server.initial_accumulator=-1", ">= 0"),
+    ),
+    Case(
         "clients-per-round-above-num-clients",
         ("algo.clients_per_round=50",),
         ("algo.clients_per_round=50", "partition.num_clients"),

@@ -18,6 +18,7 @@ from helpers import linear, make_fed, run_rounds, toy_data
 from flx.context import Core, FederationView, Round
 from flx.hooks import FederatedCallback
 from flx.sampling import number_copies
+from flx.traits import PartTraits
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "flx"
 PARTS = sorted((SRC / "parts").rglob("*.py"))  # the families' subpackages too
@@ -150,6 +151,42 @@ def test_round_width_is_checked_by_the_simulator() -> None:
         rnd.set_width(2, 0.5)
     with pytest.raises(AttributeError, match="planned"):
         rnd.round = 4
+
+
+class _Work(FederatedCallback):
+    """Sets client ``i``'s local steps to ``i + 1`` while the round is planned; records what each client trains."""
+
+    traits = PartTraits(uploads={}, steps="data_free", vectorizable=True)
+
+    def __init__(self) -> None:
+        self.trained: dict[int, int] = {}
+
+    def on_round_start(self, fed, rnd) -> None:
+        for cid in rnd.cohort:
+            rnd.set_steps(cid, cid + 1)
+
+    def on_client_start(self, fed, client) -> None:
+        self.trained[client.cid] = client.num_steps
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_round_steps_set_while_planned_are_what_clients_train(vectorize: bool) -> None:
+    """``rnd.set_steps``: ``fed.client_steps`` reads it (the configured work for the others and outside a plan that
+    set none), the client trains that many steps on either runner; refused once planned and for a non-integer or a
+    negative count."""
+    part = _Work()
+    fed = make_fed(linear(), toy_data([5, 6, 7]), [part], clients_per_round=3, local_steps=4, vectorize=vectorize)
+    assert fed.client_steps(2) == 4  # before any round
+    run_rounds(fed, 1)
+    assert part.trained == {0: 1, 1: 2, 2: 3} and fed.client_steps(2) == 3
+    rnd = Round(0)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        rnd.set_steps(1, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="integer >= 0"):
+        rnd.set_steps(1, -1)
+    rnd.freeze()
+    with pytest.raises(RuntimeError, match="on_round_start"):
+        rnd.set_steps(1, 2)
 
 
 def test_no_part_reaches_the_federation_through_the_module() -> None:

@@ -89,6 +89,8 @@ ALGOS = {
     ],
     "fedprox": [],
     "fedadam": [],
+    "fedyogi": [],  # the adaptive steps share FedAdam's code but yogi's sign
+    "fednova": ["algo.local_epochs=null", "algo.random_work=[1,3]"],  # unequal work: the uploads rescaled
     "feddualavg": [],
     "fedmid": [],
     "qfedavg": [],

@@ -317,6 +317,9 @@ def test_optimizer_cause_names_the_key_the_measurement_points_to() -> None:
         "adaptive denominator 0.0015 at eps (second moment ~0: steps ~ lr / eps)"
     )
     assert optimizer_cause(cfg, 7.5e9, 0.05) == f"lower algo.server.lr (now 1e+08): {moved.format('7.5e+09')}"
+    for name in ("adagrad", "yogi"):  # the other adaptive steps of Algorithm 2: the same keys
+        adaptive = FederationConfig(server=ServerOptConfig(name=name, lr=1e8, eps=1e-3))
+        assert optimizer_cause(adaptive, 7.5e9, 0.0015) == optimizer_cause(cfg, 7.5e9, 0.0015)
     inf, nan = float("inf"), float("nan")
     assert (
         optimizer_cause(cfg, inf)

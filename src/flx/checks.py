@@ -173,11 +173,13 @@ BOOLEAN_KEYS = (
 
 
 def _check_server_opt(cfg: DictConfig) -> None:
-    """``algo.server.*`` (:class:`flx.server.ServerOptConfig`): FedAdam's ``betas`` two numbers in [0, 1), ``eps``
-    (tau) > 0, ``weight_decay`` >= 0."""
+    """``algo.server.*`` (:class:`flx.server.ServerOptConfig`): the adaptive steps' ``betas`` two numbers in [0, 1),
+    ``eps`` (tau) > 0, ``initial_accumulator`` (v_{-1}) null or >= 0, ``weight_decay`` >= 0."""
     _check(cfg, "algo.server.lr", lambda v: v > 0, "must be > 0")
     _check(cfg, "algo.server.momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
-    _check(cfg, "algo.server.eps", lambda v: v > 0, "FedAdam's tau, must be > 0")
+    _check(cfg, "algo.server.eps", lambda v: v > 0, "the adaptive steps' tau, must be > 0")
+    if OmegaConf.select(cfg, "algo.server.initial_accumulator", default=None) is not None:
+        _check(cfg, "algo.server.initial_accumulator", lambda v: v >= 0, "v_{-1}, must be >= 0 (null: the default)")
     _check(cfg, "algo.server.weight_decay", lambda v: v >= 0, "must be >= 0")
     betas = OmegaConf.select(cfg, "algo.server.betas")
     pair = list(betas) if OmegaConf.is_list(betas) or isinstance(betas, (list, tuple)) else None

@@ -21,7 +21,10 @@ DUPLICATES = ("multiplicity", "repeat")
 copies) and :class:`flx.clients.ClientRunner`."""
 AGGREGATORS = ("mean", "count_mean", "admm_sum")
 """``algo.aggregator``: the keys of :data:`flx.aggregation.AGGREGATORS`, in that order."""
-SERVER_OPTIMIZERS = ("sgd", "adam")
+SERVER_OPTIMIZERS = ("sgd", "adam", "adagrad", "yogi")
 """``algo.server.name``; owner :class:`flx.server.ServerOptimizer` (checked once, by the pre-run check)."""
+ADAPTIVE_SERVER_OPTIMIZERS = ("adam", "adagrad", "yogi")
+"""The adaptive ones of :data:`SERVER_OPTIMIZERS` (``m_t / (sqrt(v_t) + tau)``, Reddi et al. Algorithm 2): their
+``eps`` is ``tau``, what a divergence message names (:func:`flx.faults.optimizer_cause`)."""
 MINIBATCH = ("epochs", "fresh")
 """``algo.minibatch``: the keys of :data:`flx.sampling.MINIBATCH_STREAMS`, in that order."""

@@ -16,6 +16,7 @@ part that reaches past the door fails a test (``tests/test_context.py``).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -139,6 +140,8 @@ class Round:
         weights: each cohort client's aggregation weight for one draw, ``p_i`` (``n_i``, or 1: ``algo.weighting``).
         seeds: this rank's clients' seeds for their first copy, ``derive_seed(seed, t, i)``.
         copies: this rank's copy numbers of each client, in training order (``duplicates=repeat``; else empty).
+        steps: the local steps a part set for a client this round (:meth:`set_steps`); the others take their
+            configured work (``fed.client_steps``).
         start_states: the round-start state of the clients with more than one copy (every copy starts from it).
         left_out: the accumulator of this rank's clients left out of the aggregate, ``dropped`` and ``skipped``.
         state_updates: the accumulator of the client states this rank stored (sent to the other ranks at the end).
@@ -157,6 +160,7 @@ class Round:
         self.copies: dict[int, list[int]] = {}
         self.start_states: dict[int, dict[str, Tensor]] = {}
         self.widths: dict[int, float] = {}
+        self.steps: dict[int, int] = {}
         self.left_out: dict[str, list[int]] = {"dropped": [], "skipped": []}
         self.state_updates: dict[int, dict[str, Tensor]] = {}
         self._check_width = check_width
@@ -193,6 +197,17 @@ class Round:
         if self._check_width is not None:
             self._check_width(ratio)
         self.widths[int(cid)] = float(ratio)
+
+    def set_steps(self, cid: int, steps: int) -> None:
+        """Records that client ``cid`` takes ``steps`` local steps this round, in place of its configured work
+        (``fed.client_steps``, which the client runners, the simulated clock and the parts read): heterogeneous local
+        work drawn per round (FedNova's). Only while the round is planned (``sample_clients`` / ``on_round_start``, the
+        same on every rank); the round's shards were balanced with the configured work."""
+        if self._frozen:
+            raise RuntimeError("rnd.set_steps is for sample_clients / on_round_start (the same on every rank)")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+            raise ValueError(f"local steps {steps!r}: must be an integer >= 0")
+        self.steps[int(cid)] = int(steps)
 
     def width(self, cid: int) -> float:
         """The width ratio client ``cid`` trains at this round (:meth:`set_width`; 1.0 when none was set)."""

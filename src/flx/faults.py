@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flx.choices import ADAPTIVE_SERVER_OPTIMIZERS
 from flx.context import FederationConfig, RoundFaults  # RoundFaults: fed.faults's type, the door's (flx.context)
 
 
@@ -70,7 +71,8 @@ def optimizer_cause(cfg: FederationConfig, amplification: float, denominator: fl
     move the model beyond it. So with ``amplification`` (:attr:`flx.server.StepMoves.amplification`:
     ``||w_{t+1} - w_t|| / ||Delta_t||``; plain averaging is exactly 1) at most 1, the clients' ``algo.lr``; above 1
     (or not a number), the server's keys: SGD's ``algo.server.lr`` when above 1 and ``algo.server.momentum`` when its
-    buffer outgrew the update (``amplification / lr`` > 1: ``||v_t|| > ||Delta_t||``); FedAdam's ``algo.server.lr``,
+    buffer outgrew the update (``amplification / lr`` > 1: ``||v_t|| > ||Delta_t||``); an adaptive step's (FedAdam,
+    FedAdagrad, FedYogi) ``algo.server.lr``,
     and ``algo.server.eps`` when the ``denominator`` (:attr:`flx.server.StepMoves.denominator`) is within
     twice ``eps``: the second moment is ~0 against it, so the step is ~ ``lr / eps`` times the first moment.
     """
@@ -78,7 +80,7 @@ def optimizer_cause(cfg: FederationConfig, amplification: float, denominator: fl
     if amplification <= 1.0:
         return f"lower algo.lr (now {cfg.lr:g}): {moved}, no farther"
     s = cfg.server
-    if s.name == "adam":
+    if s.name in ADAPTIVE_SERVER_OPTIMIZERS:
         if denominator <= 2 * s.eps:
             return (
                 f"lower algo.server.lr (now {s.lr:g}) or raise algo.server.eps (now {s.eps:g}): {moved}, its "

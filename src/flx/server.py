@@ -1,7 +1,9 @@
-"""Server optimizer: an optimizer step on the pseudo-gradient, so FedAvgM / FedAdam are a config swap.
+"""Server optimizer: an optimizer step on the pseudo-gradient, so FedAvgM / FedAdam / FedAdagrad / FedYogi are a
+config swap.
 
-Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2; Hsu et al., "Measuring the
-Effects of Non-Identical Data Distribution for Federated Visual Classification", 2019 (FedAvgM).
+Reddi, Charles, Zaheer, Garrett, Rush, Konecny, Kumar, McMahan, "Adaptive Federated Optimization", ICLR 2021
+(arXiv:2003.00295), Algorithm 2 (FedAdagrad, FedYogi, FedAdam); Hsu, Qi, Brown, "Measuring the Effects of
+Non-Identical Data Distribution for Federated Visual Classification", 2019 (arXiv:1909.06335; FedAvgM).
 
 .. math::
     \\Delta_t = \\bar w_t^{\\text{clients}} - w_t \\quad\\text{(the paper's sign: the mean client update)}
@@ -12,7 +14,13 @@ Effects of Non-Identical Data Distribution for Federated Visual Classification",
     v_t = \\beta_2 v_{t-1} + (1-\\beta_2)\\Delta_t^2,\\quad
     w_{t+1} = w_t + \\eta_s \\frac{m_t}{\\sqrt{v_t} + \\tau}
 
-As in the paper, FedAdam has no bias correction (unlike ``torch.optim.Adam``); ``eps`` is ``tau``.
+    \\text{adagrad:}\\quad v_t = v_{t-1} + \\Delta_t^2,\\qquad
+    \\text{yogi:}\\quad v_t = v_{t-1} - (1-\\beta_2)\\Delta_t^2 \\operatorname{sign}(v_{t-1} - \\Delta_t^2)
+
+with ``m_t`` and the step as for adam. As in the paper, the adaptive steps have no bias correction (unlike
+``torch.optim.Adam``); ``eps`` is ``tau``. Algorithm 2 starts from ``m_{-1} = 0`` and ``v_{-1} >= tau^2``:
+``initial_accumulator`` is ``v_{-1}``, by default (None) ``tau^2`` for adagrad and yogi and 0 for adam (flx's FedAdam
+has started from 0 since its first version; set ``initial_accumulator`` to ``eps**2`` for the paper's).
 With ``sgd``, ``lr=1``, ``momentum=0`` the step is plain FedAvg, done as an exact copy of the client mean
 (``w + (m - w)`` is not ``m`` in floating point). ``weight_decay`` adds ``-wd * w`` to ``Delta``.
 """
@@ -37,17 +45,24 @@ class ServerOptConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-3
     weight_decay: float = 0.0
+    initial_accumulator: float | None = None  # v_{-1} of the adaptive steps; None: tau^2 (adagrad, yogi), 0 (adam)
+
+    def initial_v(self) -> float:
+        """The adaptive steps' ``v_{-1}``: ``initial_accumulator``, or its default for ``name``."""
+        if self.initial_accumulator is not None:
+            return float(self.initial_accumulator)
+        return 0.0 if self.name == "adam" else self.eps**2
 
 
 @dataclass(frozen=True)
 class StepMoves:
     """What one server step measured, as tensors read on the host only when a divergence is reported: ``server`` =
-    ``||w_{t+1} - w_t||``, ``clients`` = ``||Delta_t||`` (the mean update), ``adam`` = ``eta_s ||m_t||`` (FedAdam;
-    None for SGD)."""
+    ``||w_{t+1} - w_t||``, ``clients`` = ``||Delta_t||`` (the mean update), ``adaptive`` = ``eta_s ||m_t||`` (the
+    adaptive steps: FedAdam, FedAdagrad, FedYogi; None for SGD)."""
 
     server: Tensor | float = 1.0
     clients: Tensor | float = 1.0
-    adam: Tensor | None = None
+    adaptive: Tensor | None = None
 
     @property
     def amplification(self) -> float:
@@ -61,12 +76,12 @@ class StepMoves:
 
     @property
     def denominator(self) -> float:
-        """FedAdam's effective denominator, ``eta_s ||m_t|| / ||w_{t+1} - w_t||``: the size of
+        """The adaptive step's effective denominator, ``eta_s ||m_t|| / ||w_{t+1} - w_t||``: the size of
         :math:`\\sqrt{v_t} + \\tau` as the step saw it (exact when it is the same in every coordinate). Near ``tau``
         the second moment is ~0 against it and the step is ~ ``eta_s m_t / tau``. Not a number for SGD and for a
         step of length 0."""
         server = float(self.server)
-        return float(self.adam) / server if self.adam is not None and server > 0 else math.nan
+        return float(self.adaptive) / server if self.adaptive is not None and server > 0 else math.nan
 
 
 class ServerOptimizer:
@@ -89,9 +104,9 @@ class ServerOptimizer:
         """The last step's :attr:`StepMoves.amplification` (1 for plain averaging and before the first step)."""
         return self.moves.amplification
 
-    def _moment(self, name: str) -> list[Tensor]:
+    def _moment(self, name: str, start: float = 0.0) -> list[Tensor]:
         if name not in self.state:
-            self.state[name] = [torch.zeros_like(p) for p in self.params]
+            self.state[name] = [torch.full_like(p, start) for p in self.params]
         return self.state[name]
 
     @torch.no_grad()
@@ -108,7 +123,7 @@ class ServerOptimizer:
         if self.cfg.name == "sgd":
             self.moves = StepMoves(self._sgd(delta), clients)
         else:
-            self.moves = StepMoves(self._adam(delta), clients, self.cfg.lr * _norm(self.state["m"]))
+            self.moves = StepMoves(self._adaptive(delta), clients, self.cfg.lr * _norm(self.state["m"]))
 
     def _sgd(self, delta: list[Tensor]) -> Tensor:
         """The SGD(M) step; returns its length ``eta_s ||v_t||``."""
@@ -120,12 +135,22 @@ class ServerOptimizer:
         torch._foreach_add_(self.params, delta, alpha=self.cfg.lr)
         return self.cfg.lr * _norm(delta)
 
-    def _adam(self, delta: list[Tensor]) -> Tensor:
-        """The FedAdam step; returns its length ``eta_s ||m_t / (sqrt(v_t) + tau)||``."""
-        (b1, b2), m, v = self.cfg.betas, self._moment("m"), self._moment("v")
+    def _adaptive(self, delta: list[Tensor]) -> Tensor:
+        """The FedAdam / FedAdagrad / FedYogi step; returns its length ``eta_s ||m_t / (sqrt(v_t) + tau)||``."""
+        (b1, b2), m, v = self.cfg.betas, self._moment("m"), self._moment("v", self.cfg.initial_v())
         torch._foreach_lerp_(m, delta, 1.0 - b1)  # m = b1 m + (1 - b1) delta
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, delta, delta, value=1.0 - b2)
+        if self.cfg.name == "adam":
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, delta, delta, value=1.0 - b2)
+        elif self.cfg.name == "adagrad":
+            torch._foreach_addcmul_(v, delta, delta)
+        else:  # yogi: v -= (1 - b2) delta^2 sign(v - delta^2)
+            square = torch._foreach_mul(delta, delta)
+            sign = torch._foreach_sub(v, square)
+            for s in sign:
+                s.sign_()
+            torch._foreach_mul_(square, sign)
+            torch._foreach_add_(v, square, alpha=-(1.0 - b2))
         denom = torch._foreach_add(torch._foreach_sqrt(v), self.cfg.eps)
         torch._foreach_addcdiv_(self.params, m, denom, value=self.cfg.lr)
         torch._foreach_reciprocal_(denom)  # the step's direction, in place of denom (no new buffers): m / denom

@@ -77,6 +77,12 @@ class PartServices:
         return self.rnd.cohort if self.rnd is not None else ()
 
     def client_steps(self, cid: int) -> int:
+        """The local steps ``tau_i`` client ``cid`` takes in the current round (the last one trained between rounds):
+        what a part set for it while the round was planned (:meth:`flx.context.Round.set_steps`), else
+        ``algo.local_steps``, or ``local_epochs * ceil(n_i / B)`` under ``algo.local_epochs``."""
+        rnd = self.rnd
+        if rnd is not None and cid in rnd.steps:
+            return rnd.steps[cid]
         if self.cfg.local_epochs is None:
             return self.cfg.local_steps
         return self.cfg.local_epochs * -(-self.num_samples(cid) // self.cfg.batch_size)
