@@ -48,7 +48,8 @@ class FedBABU(FederatedCallback):
     """FedBABU's training: the tensors ``frozen`` names (:math:`\\theta_h`) get no local update and keep their initial
     values on the server; the rest (:math:`\\theta_b`) is FedAvg's."""
 
-    traits = PartTraits(uploads={})  # the body's update only (the head's upload is the server's own value)
+    # the body's update only (the head's upload is the server's own value); the freeze reads no rows
+    traits = PartTraits(uploads={}, steps="data_free")
 
     def __init__(self, frozen: Sequence[str] = ("head",)) -> None:
         self.params = FedBABUParams(as_patterns("algo.frozen", frozen))

@@ -24,6 +24,7 @@ Algorithm 1 averages uniformly; flx weighs by ``algo.weighting`` (``uniform`` in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ class FedRepParams:
 
 class FedRep(LocalLayers):
     """FedRep: the first :math:`\\tau_h` local steps move the head (``local``) only, the others the body only."""
+
+    # the phase switch reads the step index only, never the rows: under local DP-SGD it drops noised gradients
+    traits = dataclasses.replace(LocalLayers.traits, steps="data_free")
 
     def __init__(
         self, local: Sequence[str] = ("head",), head_steps: int | None = None, head_epochs: int | None = None
