@@ -99,11 +99,10 @@ def as_patterns(key: str, patterns: Any) -> tuple[str, ...]:
 
 def no_server_decay(build: Build, name: str) -> None:
     """The server's copy of the kept entries stays put under any server optimizer but one with weight decay."""
-    if build.cfg.server.weight_decay:
-        raise bad_value(
-            "algo.server.weight_decay", build.cfg.server.weight_decay, f"must be 0 with {name}: it would decay the "
-            "server's copy of the layers its clients keep"
-        )  # fmt: skip
+    wd = build.cfg.server.weight_decay
+    if wd:
+        why = f"must be 0 with {name}: it would decay the server's copy of the layers its clients keep"
+        raise bad_value("algo.server.weight_decay", wd, why)
 
 
 @torch.no_grad()
