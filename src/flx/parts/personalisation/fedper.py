@@ -1,8 +1,8 @@
 r"""FedPer: a shared body and a personal head per client.
 
 Arivazhagan, Aggarwal, Singh, Choudhary, "Federated Learning with Personalization Layers", arXiv:1912.00818 (2019),
-Sec. 3: the base layers :math:`W_B` are trained by every client and
-averaged, the personalization layers :math:`W_{P_j}` of client :math:`j` are trained with them and never leave it:
+Sec. 3: the base layers :math:`W_B` are trained by every client and averaged, the personalization layers
+:math:`W_{P_j}` of client :math:`j` are trained with them and never leave it:
 
 .. math::
     (W_{B,j}, W_{P_j}) \leftarrow \mathrm{SGD}_j(W_B, W_{P_j}) \ \text{(E epochs, both at once)}, \qquad
