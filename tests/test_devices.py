@@ -109,6 +109,11 @@ ALGOS = {
     "fedprox_personal": [],
     "per_fedavg": [],
     "fedavg_ft": [],
+    "fedbn": [],
+    "fedper": [],
+    "fedrep": ["algo.local_epochs=null", "algo.head_steps=0"],  # the local steps counted in steps
+    "fedbabu": [],
+    "lg_fedavg": [],
     "augfl": [],
     "whale": ["algo.clients_per_round=2"],
 }

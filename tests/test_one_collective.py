@@ -3,7 +3,8 @@
 Two ranks are simulated by two threads that take turns (one runs at a time, so the global RNG streams are as on
 two processes) and meet at every collective; each collective is logged with the rank, the round and the phase. The
 only other collectives are the core's: the client-state all-gather, in rounds where some client stored state
-(FeDXL2's ``u`` tables, CODASCA's control variates, pFedMe's and Ditto's personal models), and ClientLoss's
+(FeDXL2's ``u`` tables, CODASCA's control variates, pFedMe's and Ditto's personal models, the local layers of FedPer,
+FedRep, LG-FedAvg and FedBN), and ClientLoss's
 evaluation reduce on validated rounds. FedMiD, FedDualAvg and pFedFBE add nothing to the round's one reduce.
 """
 
@@ -28,6 +29,11 @@ from flx.parts.meta_learning.meta_update import MetaUpdate
 from flx.parts.meta_learning.pm_regularizer import PMRegularizer
 from flx.parts.personalisation.ditto import Ditto
 from flx.parts.personalisation.fbe import FBE
+from flx.parts.personalisation.fedbabu import FedBABU
+from flx.parts.personalisation.fedbn import FedBN
+from flx.parts.personalisation.fedper import FedPer
+from flx.parts.personalisation.fedrep import FedRep
+from flx.parts.personalisation.lg_fedavg import LGFedAvg
 from flx.parts.personalisation.pfedme import PFedMe
 from flx.parts.proximal.prox_step import DualAveraging, ProxStep
 from flx.parts.robustness.client_loss import ClientLoss, client_train_losses
@@ -146,6 +152,12 @@ CASES: dict[str, tuple[Callable[[], list], bool, dict, int, int]] = {
         0,
     ),
     "ditto": (lambda: [Ditto(L1, lam=1.0, personal_lr=0.05)], False, {"minibatch": "fresh"}, 1, 0),
+    # the local layers (_net()'s head is its module "3"); FedBN on a net with BatchNorm (_build)
+    "fedper": (lambda: [FedPer(local=["3"])], False, {}, 1, 0),
+    "fedrep": (lambda: [FedRep(local=["3.*"], head_steps=1)], False, {"momentum": 0.5}, 1, 0),
+    "lg_fedavg": (lambda: [LGFedAvg(local=["*", "!3"])], False, {}, 1, 0),
+    "fedbabu": (lambda: [FedBABU(frozen=["3"])], False, {}, 0, 0),
+    "fedbn": (lambda: [FedBN()], False, {}, 1, 0),
     "augfl": (
         lambda: [MetaUpdate(alpha=0.1, rho=2.0), PMRegularizer(lam=0.5, rh="kd", batch_size=8)],
         False,
@@ -184,7 +196,11 @@ def _build(name: str, **kw: Any) -> Federation:
         cfg = {**MULTICLASS, **extra}
         system = LatencySimulator(cfg["batch_size"], cfg["local_steps"], types=list(MAX_LEVELS), trace_seed=1)
         return make_fed(net, data, parts=parts(), system=system, **{**cfg, **kw})
-    return make_fed(_net(), data, parts=parts(), **{**MULTICLASS, **extra, **kw})
+    net = _net()
+    if name == "fedbn":
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).to(torch.float64)
+    return make_fed(net, data, parts=parts(), **{**MULTICLASS, **extra, **kw})
 
 
 def _evaluates(name: str) -> bool:

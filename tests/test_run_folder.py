@@ -394,6 +394,9 @@ FAILING = {
     "PMRegularizer": (["algo=augfl", "algo.server_fraction=0"], "needs server rows"),
     "PerFedAvg": (["algo=per_fedavg", "partition=dirichlet"], "Per-FedAvg needs support and query sets"),
     "Subnetwork": (["algo=whale", "system=none"], "system=none: sub-network scheduling needs simulated devices"),
+    "LocalLayers": (["algo=fedper", "algo.local=[tail]"], "'tail' names no parameter or buffer of the net"),
+    "FedRep": (["algo=fedrep", "algo.head_epochs=10"], "algo.head_epochs=10: must be an integer >= 0 and <= 9"),
+    "FedBABU": (["algo=fedbabu", "algo.server.weight_decay=0.1"], "must be 0 with FedBABU"),
     "CentralDP": (
         ["privacy=central", "privacy.noise_multiplier=1.0", "algo.aggregator=count_mean"],
         "privacy=central noises the weighted mean",

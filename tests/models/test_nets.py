@@ -87,6 +87,29 @@ def test_mlp_parameter_count_matches_formula(hidden: tuple[int, ...], dropout: f
     assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
 
 
+def test_mlp_batch_norm_sits_between_each_hidden_linear_and_its_relu() -> None:
+    """``batch_norm=True``: ``Linear, BatchNorm1d, ReLU`` per hidden layer (2 x width more parameters each, and the
+    running statistics as float buffers); in eval mode a fresh BatchNorm (mean 0, variance 1) is the identity up to
+    its epsilon, and ``head`` is still the last Linear. ``model.batch_norm`` must be a boolean."""
+    torch.manual_seed(0)
+    bn = MLP(input_shape=(6,), num_classes=3, hidden=[5, 4], batch_norm=True).eval()
+    torch.manual_seed(0)
+    plain = MLP(input_shape=(6,), num_classes=3, hidden=[5, 4]).eval()
+    kinds = [type(m).__name__ for m in bn.net]
+    assert kinds == ["Flatten", "Linear", "BatchNorm1d", "ReLU", "Linear", "BatchNorm1d", "ReLU", "Linear"]
+    assert _n_params(bn) == _n_params(plain) + 2 * (5 + 4) and bn.head is bn.net[-1]
+    assert sum(b.is_floating_point() for b in bn.buffers()) == 4
+    with torch.no_grad():
+        for a, b in zip(
+            [m for m in bn.net if isinstance(m, nn.Linear)], [m for m in plain.net if isinstance(m, nn.Linear)]
+        ):
+            a.load_state_dict(b.state_dict())
+    x = torch.randn(7, 6)
+    torch.testing.assert_close(bn(x), plain(x), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match=r"^model.batch_norm='yes'"):
+        MLP(input_shape=(6,), num_classes=3, batch_norm="yes")
+
+
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
 def test_cnn_matches_fedavg_formula(shape: tuple[int, int, int]) -> None:
     c, h, w = shape

@@ -114,13 +114,15 @@ class Linear(nn.Module):
 
 
 class MLP(nn.Module):
-    """Fully connected network: flatten, ``Linear + ReLU (+ Dropout)`` per hidden layer, linear head.
+    """Fully connected network: flatten, ``Linear (+ BatchNorm1d) + ReLU (+ Dropout)`` per hidden layer, linear head.
 
     Args:
         input_shape: per-sample shape; it is flattened to ``prod(input_shape)`` features.
         num_classes: number of output logits.
         hidden: widths of the hidden layers (an empty sequence gives logistic regression).
         dropout: dropout probability after each hidden ReLU, in ``[0, 1)``; 0 adds no dropout layer.
+        batch_norm: a ``BatchNorm1d`` between each hidden ``Linear`` and its ReLU (FedBN's nets: Li et al., ICLR 2021,
+            put one after every hidden layer); False keeps the net free of batch statistics.
 
     Attributes:
         feat_dim: width of :meth:`features`: the last hidden width (``prod(input_shape)`` without hidden layers).
@@ -135,11 +137,14 @@ class MLP(nn.Module):
         num_classes: int,
         hidden: int | Sequence[int] = (200, 200),
         dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.input_shape = as_shape(input_shape)
         self.num_classes = check_num_classes(num_classes)
         widths = _as_widths("model.hidden", hidden, allow_empty=True)
+        if not isinstance(batch_norm, bool):
+            raise bad_value("model.batch_norm", batch_norm, "expected true or false")
         dropout = float(dropout)
         if not 0.0 <= dropout < 1.0:
             raise bad_value("model.dropout", dropout, "expected a probability in [0, 1)")
@@ -147,7 +152,10 @@ class MLP(nn.Module):
         layers: list[nn.Module] = [nn.Flatten(start_dim=1)]
         in_features = math.prod(self.input_shape)
         for width in widths:
-            layers += [nn.Linear(in_features, width), nn.ReLU(inplace=True)]
+            layers.append(nn.Linear(in_features, width))
+            if batch_norm:  # (B, width) normalised over the batch
+                layers.append(nn.BatchNorm1d(width))
+            layers.append(nn.ReLU(inplace=True))
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             in_features = width
