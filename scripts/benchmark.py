@@ -13,8 +13,9 @@ et al., ICLR 2022), each client keeping a fifth of its rows as its own test spli
 ``client_eval=holdout``); every method gets the same budget: ``--rounds`` rounds of ``--local-epochs`` passes over
 each client's rows at batch ``--batch-size`` (so clients of different sizes do different work, as in NIID-Bench and
 FedNova's experiments). The settings (``--settings``) are NIID-Bench's kinds of skew: IID, label distribution skew
-``Dir(beta)``, label quantity skew ``#C=k``, quantity skew. The partition is fixed (``partition.seed`` 0, the data
-split ``data.split_seed`` 0): the seeds vary the initial model and the minibatches.
+``Dir(beta)``, label quantity skew ``#C=k``, noise-based feature skew, quantity skew (``partition=niid_dirichlet``,
+``label_quantity``, ``noise_feature``, ``niid_quantity``: docs/baselines.md). The partition is fixed
+(``partition.seed`` 0, the data split ``data.split_seed`` 0): the seeds vary the initial model and the minibatches.
 
 Step sizes: each method's local step size ``algo.lr`` is tuned per setting over ``GRID`` on a seed of its own
 (``common.TUNE_SEED``, none of the reported seeds), scored by its headline validation metric (``val/acc``, or
@@ -66,12 +67,13 @@ METHODS = {  # the table's name -> configs/algo/<name>.yaml
     "FedALA": "fedala",
     "Ditto": "ditto",
 }
-SETTINGS = {  # NIID-Bench's skews (Section 4), on --clients clients
+SETTINGS = {  # NIID-Bench's skews (Section III), on --clients + --unseen clients
     "IID": ["partition=iid"],
-    "Dir(0.5)": ["partition=dirichlet", "partition.alpha=0.5"],
-    "Dir(0.1)": ["partition=dirichlet", "partition.alpha=0.1"],
-    "#C=2": ["partition=shards", "partition.classes_per_client=2"],
-    "quantity Dir(0.5)": ["partition=quantity_skew", "partition.alpha=0.5"],
+    "Dir(0.5)": ["partition=niid_dirichlet", "partition.alpha=0.5"],
+    "Dir(0.1)": ["partition=niid_dirichlet", "partition.alpha=0.1"],
+    "#C=2": ["partition=label_quantity", "partition.classes_per_client=2"],
+    "noise(0.1)": ["partition=noise_feature", "partition.noise=0.1"],
+    "quantity Dir(0.5)": ["partition=niid_quantity", "partition.alpha=0.5"],
 }
 QUICK_SETTINGS = ["IID", "Dir(0.1)"]
 GRID = (0.01, 0.03, 0.1, 0.3)  # algo.lr, half-decades around the configs' 0.05

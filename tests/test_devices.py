@@ -111,7 +111,7 @@ ALGOS = {
     "fedavg_ft": [],
     "fedbn": [],
     "fedper": [],
-    "fedrep": ["algo.local_epochs=null", "algo.head_steps=0"],  # the local steps counted in steps
+    "fedrep": ["algo.local_epochs=null", "algo.rep_steps=1"],  # the local steps counted in steps
     "fedbabu": [],
     "lg_fedavg": [],
     "augfl": [],

@@ -154,7 +154,7 @@ CASES: dict[str, tuple[Callable[[], list], bool, dict, int, int]] = {
     "ditto": (lambda: [Ditto(L1, lam=1.0, personal_lr=0.05)], False, {"minibatch": "fresh"}, 1, 0),
     # the local layers (_net()'s head is its module "3"); FedBN on a net with BatchNorm (_build)
     "fedper": (lambda: [FedPer(local=["3"])], False, {}, 1, 0),
-    "fedrep": (lambda: [FedRep(local=["3.*"], head_steps=1)], False, {"momentum": 0.5}, 1, 0),
+    "fedrep": (lambda: [FedRep(local=["3.*"], rep_steps=1)], False, {"momentum": 0.5}, 1, 0),
     "lg_fedavg": (lambda: [LGFedAvg(local=["*", "!3"])], False, {}, 1, 0),
     "fedbabu": (lambda: [FedBABU(frozen=["3"])], False, {}, 0, 0),
     "fedbn": (lambda: [FedBN()], False, {}, 1, 0),

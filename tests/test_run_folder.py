@@ -395,7 +395,7 @@ FAILING = {
     "PerFedAvg": (["algo=per_fedavg", "partition=dirichlet"], "Per-FedAvg needs support and query sets"),
     "Subnetwork": (["algo=whale", "system=none"], "system=none: sub-network scheduling needs simulated devices"),
     "LocalLayers": (["algo=fedper", "algo.local=[tail]"], "'tail' names no parameter or buffer of the net"),
-    "FedRep": (["algo=fedrep", "algo.head_epochs=10"], "algo.head_epochs=10: must be an integer >= 0 and <= 9"),
+    "FedRep": (["algo=fedrep", "algo.rep_epochs=11"], "algo.rep_epochs=11: must be an integer >= 1 and <= 10"),
     "FedBABU": (["algo=fedbabu", "algo.server.weight_decay=0.1"], "must be 0 with FedBABU"),
     "CentralDP": (
         ["privacy=central", "privacy.noise_multiplier=1.0", "algo.aggregator=count_mean"],

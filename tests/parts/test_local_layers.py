@@ -112,7 +112,7 @@ def test_no_local_tensor_is_fedavg_bitwise(parts: Callable[[], list]) -> None:
 
 # ----------------------------------------------------------------------------- the server's copy, the clients' own
 @pytest.mark.parametrize("server", [ServerOptConfig(), ServerOptConfig(momentum=0.9), ServerOptConfig("adam", 0.1)])
-@pytest.mark.parametrize("part", [FedPer, LGFedAvg, lambda: FedRep(head_steps=2)], ids=["fedper", "lg", "fedrep"])
+@pytest.mark.parametrize("part", [FedPer, LGFedAvg, lambda: FedRep(rep_steps=2)], ids=["fedper", "lg", "fedrep"])
 def test_server_copy_of_local_tensors_stays_at_its_initial_value(part, server: ServerOptConfig) -> None:
     """Under every server optimizer the global model's local entries are their initial values bit for bit after
     rounds in which every client trained them, and the shared entries moved."""
@@ -231,7 +231,7 @@ def test_fedrep_moves_the_head_first_then_the_body(beta: float, wd: float) -> No
     w0 = state(net)
     probe = _Steps()
     kw = dict(clients_per_round=1, local_steps=5, momentum=beta, weight_decay=wd, **FULL)
-    fed = make_fed(net, data(), [FedRep(head_steps=2), probe], **kw)
+    fed = make_fed(net, data(), [FedRep(rep_steps=3), probe], **kw)
     run_rounds(fed, 1)
     cid = fed.rnd.cohort[0]
     body = ["net.1.weight", "net.1.bias"]
@@ -250,11 +250,11 @@ def test_fedrep_moves_the_head_first_then_the_body(beta: float, wd: float) -> No
     close(fed.store.get(cid)[f"local/{k_head}"], hand[HEAD[0]])
 
 
-def test_fedrep_head_epochs_count_passes_over_the_client() -> None:
-    """With ``local_epochs`` the head phase is ``head_epochs * ceil(n_i / B)`` steps: a client of 9 rows with B = 4
-    trains its head for 2 x 3 = 6 steps, then the body for 3 x 3 - 6 = 3."""
+def test_fedrep_rep_epochs_count_passes_over_the_client() -> None:
+    """With ``local_epochs`` the representation phase is ``rep_epochs * ceil(n_i / B)`` steps: a client of 9 rows
+    with B = 4 trains its head for 3 x 3 - 3 = 6 steps, then the body for 1 x 3 = 3."""
     probe = _Steps()
-    fed = make_fed(mlp(), data(), [FedRep(head_epochs=2), probe], clients_per_round=4, local_epochs=3, batch_size=4)
+    fed = make_fed(mlp(), data(), [FedRep(rep_epochs=1), probe], clients_per_round=4, local_epochs=3, batch_size=4)
     run_rounds(fed, 1)
     order = fed.rnd.shard
     at = sum(fed.client_steps(c) for c in order[: order.index(1)])  # client 1's first step in the probe's list
@@ -289,7 +289,7 @@ def test_fedbabu_head_never_moves_and_personal_model_is_a_hand_fine_tune() -> No
 # ----------------------------------------------------------------------------- resume, evaluation, refusals
 @pytest.mark.parametrize(
     "parts, bn",
-    [(lambda: [FedPer()], False), (lambda: [FedRep(head_steps=2)], False), (lambda: [FedBN()], True)],
+    [(lambda: [FedPer()], False), (lambda: [FedRep(rep_steps=2)], False), (lambda: [FedBN()], True)],
     ids=["fedper", "fedrep", "fedbn"],
 )
 def test_resumed_equals_uninterrupted(parts, bn: bool) -> None:
@@ -326,7 +326,7 @@ def test_a_client_never_sampled_is_evaluated_with_the_global_model() -> None:
         assert own and not torch.equal(flat(fed), g)
 
 
-@pytest.mark.parametrize("part", [FedPer, FedBN, LGFedAvg, FedBABU, lambda: FedRep(head_steps=1)])
+@pytest.mark.parametrize("part", [FedPer, FedBN, LGFedAvg, FedBABU, lambda: FedRep(rep_steps=1)])
 def test_vectorized_runner_refuses_in_one_line(part) -> None:
     with pytest.raises(ConfigError, match=r"^algo.vectorize=true: part \w+ has no vectorised form") as e:
         make_fed(mlp(), data(), [part()], vectorize=True)
@@ -339,9 +339,9 @@ def test_vectorized_runner_refuses_in_one_line(part) -> None:
         (lambda: make_fed(mlp(), data(), [FedPer(local=["tail"])]), r"^algo.local=\['tail'\]: 'tail' names no"),
         (lambda: make_fed(mlp(), data(), [FedPer(local="head")]), r"^algo.local='head': a list of patterns"),
         (lambda: make_fed(mlp(), data(), [FedBABU(frozen=["!"])]), r"^algo.frozen=\['!'\]: a list of patterns"),
-        (lambda: make_fed(mlp(), data(), [FedRep()], local_steps=3), r"^algo.head_steps=None: FedRep's head"),
-        (lambda: make_fed(mlp(), data(), [FedRep(head_steps=3)], local_steps=3), r"^algo.head_steps=3: must be"),
-        (lambda: make_fed(mlp(), data(), [FedRep(head_epochs=2)], local_epochs=2), r"^algo.head_epochs=2: must be"),
+        (lambda: make_fed(mlp(), data(), [FedRep()], local_steps=3), r"^algo.rep_steps=None: FedRep's repr"),
+        (lambda: make_fed(mlp(), data(), [FedRep(rep_steps=0)], local_steps=3), r"^algo.rep_steps=0: must be"),
+        (lambda: make_fed(mlp(), data(), [FedRep(rep_epochs=3)], local_epochs=2), r"^algo.rep_epochs=3: must be"),
         (
             lambda: make_fed(mlp(), data(), [FedPer()], server=ServerOptConfig(weight_decay=0.1)),
             r"^algo.server.weight_decay=0.1: must be 0 with FedPer",

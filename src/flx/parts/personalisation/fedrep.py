@@ -12,12 +12,13 @@ representation:
 .. math::
     \phi^{t+1} = \frac{1}{|P_t|} \sum_{i \in P_t} \phi_i^{t,\tau_\phi}.
 
-The round's ``K`` local steps (``algo.local_steps``, or ``algo.local_epochs`` passes) are split: the first
-:math:`\tau_h` update the head only (``algo.head_steps``, or ``algo.head_epochs`` passes with ``local_epochs``), the
-other :math:`\tau_\phi = K - \tau_h` the representation only. The frozen group gets no gradient at a step
+The round's ``K`` local steps (``algo.local_steps``, or ``algo.local_epochs`` passes) are split: the last
+:math:`\tau_\phi` update the representation only (``algo.rep_steps``, or ``algo.rep_epochs`` passes with
+``local_epochs``), the first :math:`\tau_h = K - \tau_\phi` the head only. The frozen group gets no gradient at a step
 (:func:`~flx.parts.personalisation.local_layers.freeze`), so momentum and weight decay do not move it either. The
 authors' code trains 10 local epochs, the last ``local_rep_ep = 1`` on the representation, the first 9 on the head
-(``algo=fedrep``'s defaults). The head (``algo.local``, default ``head``) stays on the client
+(``algo=fedrep``'s defaults: ``local_epochs: 10``, ``rep_epochs: 1``; any other budget keeps one pass for the
+representation). The head (``algo.local``, default ``head``) stays on the client
 (:class:`~flx.parts.personalisation.local_layers.LocalLayers`); the personalised model is :math:`(\phi^t, h_i)`.
 Algorithm 1 averages uniformly; flx weighs by ``algo.weighting`` (``uniform`` in ``algo=fedrep``).
 """
@@ -41,11 +42,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FedRepParams:
-    """``head_steps`` (:math:`\\tau_h` with ``algo.local_steps``), ``head_epochs`` (:math:`\\tau_h` in passes with
-    ``algo.local_epochs``)."""
+    """``rep_steps`` (:math:`\\tau_\\phi` with ``algo.local_steps``), ``rep_epochs`` (:math:`\\tau_\\phi` in passes
+    with ``algo.local_epochs``)."""
 
-    head_steps: int | None = None
-    head_epochs: int | None = None
+    rep_steps: int | None = None
+    rep_epochs: int | None = 1
 
 
 class FedRep(LocalLayers):
@@ -55,10 +56,10 @@ class FedRep(LocalLayers):
     # it drops noised gradients)
 
     def __init__(
-        self, local: Sequence[str] = ("head",), head_steps: int | None = None, head_epochs: int | None = None
+        self, local: Sequence[str] = ("head",), rep_steps: int | None = None, rep_epochs: int | None = 1
     ) -> None:
         super().__init__(local)
-        self.rep = p = FedRepParams(head_steps, head_epochs)
+        self.rep = p = FedRepParams(rep_steps, rep_epochs)
         check_fields(p, "algo.")
         self.body: tuple[int, ...] = ()  # positions in fed.params, set at attach
         self.head: tuple[int, ...] = ()
@@ -68,13 +69,13 @@ class FedRep(LocalLayers):
         super().check(build)
         epochs, p = build.cfg.local_epochs, self.rep
         if epochs:
-            key, value, total = "algo.head_epochs", p.head_epochs, epochs
+            key, value, total = "algo.rep_epochs", p.rep_epochs, epochs
         else:
-            key, value, total = "algo.head_steps", p.head_steps, build.cfg.local_steps
+            key, value, total = "algo.rep_steps", p.rep_steps, build.cfg.local_steps
         if value is None:
             unit = "algo.local_epochs" if epochs else "algo.local_steps"
-            raise bad_value(key, value, f"FedRep's head updates, an integer in [0, {unit}) (now {total})")
-        count(key, value, 0, max(total - 1, 0))
+            raise bad_value(key, value, f"FedRep's representation updates, an integer in [1, {unit}] (now {total})")
+        count(key, value, 1, max(total, 1))
 
     @override
     def on_attach(self, fed: FederationView) -> None:
@@ -84,10 +85,13 @@ class FedRep(LocalLayers):
         self.body = tuple(k for k in range(n) if k not in self.head)
 
     def head_updates(self, fed: FederationView, client: ClientContext) -> int:
-        """:math:`\\tau_h` of this client: ``head_steps``, or ``head_epochs`` passes of ``ceil(n_i / B)`` steps."""
+        """:math:`\\tau_h` of this client: its ``K`` steps less :math:`\\tau_\\phi`, ``rep_steps`` or ``rep_epochs``
+        passes of ``ceil(n_i / B)`` steps."""
         if fed.cfg.local_epochs:
-            return int(self.rep.head_epochs or 0) * math.ceil(client.num_samples / fed.cfg.batch_size)
-        return int(self.rep.head_steps or 0)
+            rep = int(self.rep.rep_epochs or 0) * math.ceil(client.num_samples / fed.cfg.batch_size)
+        else:
+            rep = int(self.rep.rep_steps or 0)
+        return max(client.num_steps - rep, 0)
 
     @override
     def on_local_grad(self, fed: FederationView, client: ClientContext) -> None:
