@@ -2,8 +2,9 @@
 
 FedNova's quadratic example: the runs' last iterates equal the closed-form fixed points (computed here again from
 the targets and tau), FedAvg's is O(1) from the optimum and FedNova's much closer, and the table row prints those
-distances. FedProx's Synthetic(1,1): every table cell is the stored record's value (its training-loss curve's last
-value, its max over the last half, its jumps, its last test accuracy), each run's command in the page.
+distances. FedProx's Synthetic(1,1), both budgets: every table cell is the stored record's value (the training-loss
+curve's last value, its max over the last half, its jumps, its largest rise, the last test accuracy), each run's
+command in the page.
 """
 
 from __future__ import annotations
@@ -51,14 +52,21 @@ def test_quick_page_holds_the_runs_numbers(tmp_path: Path) -> None:
     cells += [f"{_dist(avg, optimum):.3e}", f"{d_nova:.3e}", f"{_dist(nova, optimum):.3e}", f"{d_nova / eta:.3e}"]
     assert "| " + " | ".join(cells) + " |" in page
 
-    # (b) every Synthetic(1,1) row: the stored record's numbers
-    for name in bc.METHODS:
-        overrides = bc.synth_overrides(name, 0, 5)
-        record = json.loads((tmp_path / "claims_runs" / f"{config_key(overrides)}.json").read_text())
-        curve = record["curves"]["train/objective"]
-        assert [r for r, _ in curve] == [1, 2, 3, 4, 5]
-        losses = [v for _, v in curve]
-        jumps = sum(1 for a, b in zip(losses, losses[1:]) if b > 1.05 * a)
-        cells = [name, mean_std([losses[-1]]), mean_std([max(losses[2:])]), mean_std([float(jumps)], digits=1)]
-        cells.append(mean_std([record["curves"]["test/acc"][-1][1]]))
-        assert "| " + " | ".join(cells) + " | `train.py " + " ".join(overrides[:2]) in page, name
+    # (b) every Synthetic(1,1) row of both budgets: the stored record's numbers (5 rounds scaled, 2 heavy)
+    for study, (unit, _, methods) in bc.STUDIES.items():
+        rounds = bc.study_rounds(study, 5)
+        assert f"### K = {unit} ({unit} to {10 * unit} local steps), {rounds} rounds" in page
+        for name in methods:
+            overrides = bc.synth_overrides(study, name, 0, 5)
+            assert f"algo.local_steps={unit if 'random' in name else 10 * unit}" in overrides
+            record = json.loads((tmp_path / "claims_runs" / f"{config_key(overrides)}.json").read_text())
+            curve = record["curves"]["train/objective"]
+            assert [r for r, _ in curve] == list(range(1, rounds + 1))
+            losses = [v for _, v in curve]
+            steps = list(zip(losses, losses[1:]))
+            jumps = sum(1 for a, b in steps if b > 1.05 * a)
+            rise = max([0.0, *((b - a) / a for a, b in steps)])
+            cells = [name, mean_std([losses[-1]]), mean_std([max(losses[rounds // 2 :])])]
+            cells += [mean_std([float(jumps)], digits=1), mean_std([rise])]
+            cells.append(mean_std([record["curves"]["test/acc"][-1][1]]))
+            assert "| " + " | ".join(cells) + " | `train.py " + " ".join(overrides[:2]) in page, (study, name)
