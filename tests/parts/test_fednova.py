@@ -17,6 +17,7 @@ from flx.datamodules.datamodule import ClientStore
 from flx.hooks import FederatedCallback
 from flx.parts.drift.fednova import FedNova, a_norm
 from flx.parts.proximal.prox import Prox
+from flx.parts.systems.random_work import RandomWork
 from flx.traits import PartTraits
 
 f64 = torch.float64
@@ -149,12 +150,12 @@ def test_a_norm_is_the_local_solver_response_to_unit_gradients() -> None:
 def _random_fed(**kw: object):
     data = toy_data([13, 8, 21, 5, 17, 9], dtype=f64)
     cfg = dict(clients_per_round=4, local_steps=2, batch_size=4, lr=0.1, momentum=0.5, seed=5) | kw
-    return make_fed(linear(dtype=f64), data, [FedNova(mu=0.0, random_work=[1, 3])], **cfg)
+    return make_fed(linear(dtype=f64), data, [RandomWork([1, 3]), FedNova(mu=0.0)], **cfg)
 
 
 def test_random_work_draws_per_round_and_client() -> None:
-    """random_work=[1, 3]: client i takes r_i * local_steps steps, r_i in {1, 2, 3}, redrawn every round (each value
-    drawn), the same in a second federation of the same seed."""
+    """RandomWork([1, 3]) before FedNova: client i takes r_i * local_steps steps, r_i in {1, 2, 3}, redrawn every
+    round (each value drawn), the same in a second federation of the same seed."""
     fed, again = _random_fed(), _random_fed()
     seen = set()
     for r in range(4):
@@ -216,10 +217,22 @@ def test_vectorized_equals_sequential() -> None:
     ("kw", "match"),
     [
         (dict(mu=-1.0), "algo.mu=-1.0: must be >= 0"),
-        (dict(random_work=[0, 2]), "algo.random_work=[0, 2]: null or [lo, hi]"),
-        (dict(random_work=[3, 2]), "algo.random_work=[3, 2]"),
-        (dict(random_work=[1.5, 2]), "algo.random_work=[1.5, 2]"),
     ],
 )
 def test_bad_values_are_one_line(kw: dict, match: str) -> None:
     raises_one_line(FedNova, match=match, **kw)
+
+
+def test_random_work_after_fednova_is_refused() -> None:
+    """FedNova computes tau_eff in planning from fed.client_steps: a RandomWork listed after it would change the steps
+    afterwards, so the build refuses that order in one line (the other order builds)."""
+    data = toy_data([13, 8, 21], dtype=f64)
+    make_fed(linear(dtype=f64), data, [RandomWork([1, 3]), FedNova()], clients_per_round=3)
+    raises_one_line(
+        make_fed,
+        linear(dtype=f64),
+        data,
+        [FedNova(), RandomWork([1, 3])],
+        clients_per_round=3,
+        match="list the RandomWork part",
+    )

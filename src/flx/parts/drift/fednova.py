@@ -21,8 +21,8 @@ update (``p_i``: the round's weights ``rnd.weights`` times the draws); ``tau_eff
 ``on_round_start`` (``tau_i = fed.client_steps(i)`` is known before any client trains; a part that sets steps,
 ``rnd.set_steps``, is listed before this one), as ``a_min + sum_i p_i (||a_i||_1 -
 a_min)``, so that equal work gives a factor of exactly 1 and the upload untouched: FedAvg bit for bit.
-``random_work = [lo, hi]`` makes every cohort client do ``r_i ~ U{lo..hi}`` times its configured work each round
-(``r_i`` from ``(seed, round, client)``: the same on every rank), the paper's random local epochs.
+The paper's random local epochs (``algo.random_work``) are their own part,
+:class:`flx.parts.systems.random_work.RandomWork`, which must be listed before this one (:meth:`FedNova.check`).
 
 Departures: ``p_i`` and ``tau_eff`` are the planned cohort's (clients without rows left out); a client dropped for a
 non-finite update is still in them. The local step size is ``algo.lr`` (a part that schedules it changes ``a_i``
@@ -34,28 +34,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from typing_extensions import override
 
-from flx.errors import bad_value, check_fields
-from flx.hooks import FederatedCallback
-from flx.sampling import derive_seed
+from flx.errors import ConfigError, bad_value, check_fields
+from flx.hooks import Build, FederatedCallback
+from flx.parts.systems.random_work import RandomWork
 from flx.traits import PartTraits
 
 if TYPE_CHECKING:
     from flx.context import ClientContext, FederationView, Round
 
-_WORK_TAG = 0x4E0A  # the random-work stream, apart from the client's minibatch stream
-
 
 @dataclass(frozen=True)
 class FedNovaParams:
-    """``mu``: the proximal weight of a FedProx term the clients run (``algo.mu``, >= 0); ``random_work``: ``[lo,
-    hi]`` integers, 1 <= lo <= hi, or None (the configured work)."""
+    """``mu``: the proximal weight of a FedProx term the clients run (``algo.mu``, >= 0)."""
 
     mu: float = 0.0
-    random_work: tuple[int, int] | None = None
 
 
 def a_norm(tau: int, eta: float, rho: float = 0.0, mu: float = 0.0) -> float:
@@ -86,24 +81,23 @@ class FedNova(FederatedCallback):
         vectorizable=True,  # on_client_end runs per client on the stacked path too, the client's model in the net
     )
 
-    def __init__(self, mu: float = 0.0, random_work: tuple[int, int] | list[int] | None = None) -> None:
-        work = None if random_work is None else tuple(random_work)
+    def __init__(self, mu: float = 0.0) -> None:
         check_fields(FedNovaParams(mu=mu), "algo.")
         if not mu >= 0:
             raise bad_value("algo.mu", mu, "must be >= 0")
-        if work is not None and not _valid_range(work):
-            raise bad_value("algo.random_work", random_work, "null or [lo, hi], integers with 1 <= lo <= hi")
-        self.params = FedNovaParams(mu=float(mu), random_work=work)  # type: ignore[arg-type]
+        self.params = FedNovaParams(mu=float(mu))
         self.factors: dict[int, float] = {}  # this round's tau_eff / ||a_i||_1, by client (on_round_start's)
 
     @override
+    def check(self, build: Build) -> None:
+        """A :class:`RandomWork` listed after this part would change the steps after ``tau_eff`` is computed."""
+        after = build.parts[build.parts.index(self) + 1 :] if self in build.parts else ()
+        if any(isinstance(part, RandomWork) for part in after):
+            raise ConfigError("algo.parts: list the RandomWork part (random local work) before FedNova's")
+
+    @override
     def on_round_start(self, fed: FederationView, rnd: Round) -> None:
-        work = self.params.random_work
-        if work is not None:
-            for cid in rnd.cohort:  # r_i times the configured work (read before it is set)
-                rng = np.random.default_rng(derive_seed(fed.cfg.seed, rnd.round, cid, _WORK_TAG))
-                rnd.set_steps(cid, int(rng.integers(work[0], work[1] + 1)) * fed.client_steps(cid))
-        self.factors = self.normalisers(fed, rnd)  # after the set_steps of this part and the parts listed before it
+        self.factors = self.normalisers(fed, rnd)  # after the set_steps of the parts listed before this one
 
     def normalisers(self, fed: FederationView, rnd: Round) -> dict[int, float]:
         """``tau_eff / ||a_i||_1`` for every cohort client with rows, with ``p_i`` = ``rnd.weights[i] *
@@ -126,8 +120,3 @@ class FedNova(FederatedCallback):
         torch._foreach_sub_(fed.params, fed.global_params)  # x_i - x^t
         torch._foreach_mul_(fed.params, factor)
         torch._foreach_add_(fed.params, fed.global_params)  # x^t - (tau_eff / ||a_i||_1) (x^t - x_i)
-
-
-def _valid_range(work: tuple) -> bool:
-    ints = len(work) == 2 and all(isinstance(w, int) and not isinstance(w, bool) for w in work)
-    return ints and 1 <= work[0] <= work[1]
