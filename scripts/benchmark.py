@@ -207,9 +207,11 @@ def main(argv: list[str]) -> None:
 
 
 def write(out: Path, argv: list[str], args, settings, methods, seeds, lrs, runs, tuning: bool, wall: float) -> None:
-    """``table.md`` (per setting: final and best-round test accuracy, personalised and unseen-client accuracy, mean ±
-    std over the seeds; then the final accuracies side by side with each setting's best in bold), ``table.csv`` (one
-    row per run) and ``accuracy.png`` (test accuracy against rounds, seed mean, a panel per setting)."""
+    """``table.md``: per setting, the final and best-round test accuracy, the personalised accuracy and the unseen
+    clients' (of the personalised models where the method adapts to a new client, else of the global model), mean ±
+    std over the seeds; then side by side the global models' final accuracy and the personalised methods', each
+    setting's best in bold, and NIID-Bench's findings. ``table.csv``: one row per run. ``accuracy.png``: test accuracy
+    against rounds, seed mean, a panel per setting."""
     command = "python scripts/benchmark.py " + shlex.join(argv)
     how = f"step size tuned per setting over {list(GRID)} on seed {TUNE_SEED}" if tuning else "each config's algo.lr"
     lines = [
@@ -218,7 +220,7 @@ def write(out: Path, argv: list[str], args, settings, methods, seeds, lrs, runs,
         f"mean ± std over seeds; {how}.",
         "",
     ]
-    rows, finals = [], {}
+    rows, finals, personals = [], {}, {}
     for s in settings:
         lines += [
             f"### {s}",
@@ -232,41 +234,27 @@ def write(out: Path, argv: list[str], args, settings, methods, seeds, lrs, runs,
             final = [r["final"].get("test/acc", math.nan) for r in got]
             best = [max(v for _, v in r["curves"]["test/acc"]) for r in got if r["curves"].get("test/acc")]
             personal = [r["final"]["test/personal_acc_mean"] for r in got if "test/personal_acc_mean" in r["final"]]
-            unseen = [r["final"]["unseen/acc"] for r in got if "unseen/acc" in r["final"]]
-            finals[(s, m)] = final
+            # unseen clients: the personalised models where the method adapts to a new client, else the global model
+            unseen = [r["final"].get("unseen/personal_acc_mean", r["final"].get("unseen/acc")) for r in got]
+            unseen = [v for v in unseen if v is not None]
+            finals[(s, m)], personals[(s, m)] = final, personal
             cells = [mean_std(v, 100, 2) if v else "n/a" for v in (final, best, personal, unseen)]
             missing = len(seeds) - len(got)
-            lines.append(
-                f"| {m}{f' ({missing} failed)' if missing else ''} | {lrs[(s, m)]:g} | " + " | ".join(cells) + " |"
-            )
-            for seed, r in zip(seeds, (runs[(s, m, seed)] for seed in seeds)):
-                if r is not None:
+            lr = "every grid value failed" if lrs[(s, m)] is None else f"{lrs[(s, m)]:g}"
+            lines.append(f"| {m}{f' ({missing} failed)' if missing else ''} | {lr} | " + " | ".join(cells) + " |")
+            for seed in seeds:
+                if (r := runs[(s, m, seed)]) is not None:
                     f = r["final"]
-                    rows.append(
-                        [
-                            s,
-                            m,
-                            seed,
-                            lrs[(s, m)],
-                            f.get("test/acc"),
-                            f.get("test/personal_acc_mean"),
-                            f.get("unseen/acc"),
-                        ]
-                    )
+                    got_row = [f.get("test/acc"), f.get("test/personal_acc_mean")]
+                    got_row.append(f.get("unseen/personal_acc_mean", f.get("unseen/acc")))
+                    rows.append([s, m, seed, lrs[(s, m)], *got_row])
         lines.append("")
-    lines += ["### Final test accuracy (%) side by side (each setting's best mean in bold)", ""]
-    lines += ["| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
-    best_of = {
-        s: max((statistics.mean(finals[(s, m)]) for m in methods if finals[(s, m)]), default=math.nan) for s in settings
-    }
-    for m in methods:
-        cells = []
-        for s in settings:
-            v = finals[(s, m)]
-            cell = mean_std(v, 100, 2) if v else "n/a"
-            cells.append(f"**{cell}**" if v and statistics.mean(v) == best_of[s] else cell)
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", *claims(finals, settings, methods)]
+    # the methods that personalise are judged by their personalised models, the others by the global one
+    personalising = [m for m in methods if any(personals[(s, m)] for s in settings)]
+    shared = [m for m in methods if m not in personalising]
+    lines += side_by_side("Global model: final test accuracy (%)", finals, settings, shared)
+    lines += side_by_side("Personalised models: mean client accuracy (%)", personals, settings, personalising)
+    lines += claims(finals, settings, shared)
     lines += [
         "",
         f"Wall time: {wall:.0f} s." if not args.stored_only else "Built from the stored runs (no training).",
@@ -279,13 +267,30 @@ def write(out: Path, argv: list[str], args, settings, methods, seeds, lrs, runs,
     print((out / "table.md").read_text())
 
 
+def side_by_side(title: str, values: dict[tuple, list[float]], settings: list[str], methods: list[str]) -> list[str]:
+    """A table of ``values`` (mean ± std over seeds, in %), a row per method and a column per setting, each setting's
+    best mean in bold."""
+    if not methods:
+        return []
+    lines = [f"### {title}, side by side (each setting's best in bold)", ""]
+    lines += ["| method | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    means = {k: statistics.mean(v) for k, v in values.items() if v}
+    best = {s: max((means[(s, m)] for m in methods if (s, m) in means), default=math.nan) for s in settings}
+    for m in methods:
+        cells = [mean_std(values[(s, m)], 100, 2) if values[(s, m)] else "n/a" for s in settings]
+        cells = [f"**{c}**" if means.get((s, m)) == best[s] else c for s, c in zip(settings, cells)]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 LABEL_SKEW = ("Dir(0.1)", "Dir(0.5)", "#C=2")  # NIID-Bench's label skews: where SCAFFOLD gains (its Section 5.3)
 
 
 def claims(finals: dict[tuple, list[float]], settings: list[str], methods: list[str]) -> list[str]:
-    """NIID-Bench's two findings, as this sweep measured them: which method is best in each setting (its finding: none
-    wins everywhere) and SCAFFOLD against FedAvg under label skew (its finding: SCAFFOLD gains there); a difference is
-    called a gain or a loss only when it exceeds the two methods' seed spreads added."""
+    """NIID-Bench's two findings, as this sweep measured them on the global models (``methods``): which method is best
+    in each setting (its finding: none wins everywhere) and SCAFFOLD against FedAvg under label skew (its finding:
+    SCAFFOLD gains there); a difference is called a gain or a loss only when it exceeds the two methods' seed spreads
+    added."""
     best = {}
     for s in settings:
         means = {m: statistics.mean(finals[(s, m)]) for m in methods if finals[(s, m)]}
@@ -295,7 +300,7 @@ def claims(finals: dict[tuple, list[float]], settings: list[str], methods: list[
         return []
     winners = sorted(set(best.values()))
     verdict = "no method is best in every setting" if len(winners) > 1 else f"{winners[0]} is best in every setting"
-    out = ["### NIID-Bench's findings, measured here", "", "- Best final test accuracy per setting: "]
+    out = ["### NIID-Bench's findings, measured here", "", "- Best global model's final test accuracy per setting: "]
     out[-1] += ", ".join(f"{s}: {m}" for s, m in best.items()) + f" ({verdict})."
     for s in (s for s in settings if s in LABEL_SKEW):
         a, b = finals.get((s, "FedAvg")), finals.get((s, "SCAFFOLD"))
