@@ -124,14 +124,15 @@ def validation_score(record: dict | None) -> float:
 
 
 def collect(jobs: dict[tuple, Future]) -> dict[tuple, dict | None]:
-    """Each job's record (None for a run that failed: its error is printed, the run counts as missing)."""
+    """Each job's record; None for a run that failed (a divergence, stored as such: its line is printed, the run
+    counts as missing and is not trained again) or is not in the store (``--stored-only``)."""
     out = {}
     for key, job in jobs.items():
-        try:
-            out[key] = job.result()
-        except Exception as e:  # noqa: BLE001 - a diverged or failed run is reported, the sweep goes on
-            print(f"{' '.join(map(str, key))}: failed ({type(e).__name__}: {str(e).splitlines()[0]})", flush=True)
-            out[key] = None
+        record = job.result()
+        if record is not None and "failed" in record:
+            print(f"{' '.join(map(str, key))}: failed ({record['failed']})", flush=True)
+            record = None
+        out[key] = record
     return out
 
 
@@ -167,7 +168,7 @@ def main(argv: list[str]) -> None:
     start = time.time()
 
     def submit(pool, over: list[str]) -> Future:
-        return pool.submit(stored_run, store, over, not args.stored_only, keep)
+        return pool.submit(stored_run, store, over, not args.stored_only, keep, True)
 
     with executor(args.jobs) as pool:  # first the tuning runs, all at once; then the reported seeds at the tuned lr
         trials = {
@@ -185,8 +186,8 @@ def main(argv: list[str]) -> None:
                     lrs[(s, m)] = args.lr if args.lr is not None else float(composed(f"algo={METHODS[m]}").algo.lr)
                     continue
                 score = {lr: validation_score(records[(s, m, lr)]) for lr in GRID}
-                try:  # the best validation score; failed runs rank last; ties: the smaller step (GRID ascends)
-                    lrs[(s, m)] = tune(GRID, score.__getitem__, maximize=True, name=f"{s} {m} lr")[0]
+                try:  # the best validation score; failed runs rank last (-inf); ties: the smaller step (GRID ascends)
+                    lrs[(s, m)], score = tune(GRID, score.__getitem__, maximize=True, name=f"{s} {m} lr")
                 except RuntimeError as e:
                     print(e, flush=True)
                     lrs[(s, m)] = None

@@ -53,13 +53,19 @@ def config_key(overrides: Sequence[str]) -> str:
 
 
 def stored_run(
-    store: Path, overrides: Sequence[str], train_missing: bool = True, keep: Callable[[str], bool] | None = None
+    store: Path,
+    overrides: Sequence[str],
+    train_missing: bool = True,
+    keep: Callable[[str], bool] | None = None,
+    keep_failures: bool = False,
 ) -> dict | None:
     """One training run of ``overrides``, kept in ``store/<key>.json`` under its resolved config
     (:func:`config_key`) as ``{"overrides", "final", "curves"}``; a later call of the same run reads it back, so a
     killed sweep resumes where it stopped and several processes can fill one store (each file is written whole, then
     renamed into place). ``train_missing`` False: None for a run not in the store (nothing trains). ``keep``: which
-    curves (by metric key) to store (default: all)."""
+    curves (by metric key) to store (default: all). ``keep_failures``: a run that raises (a divergence: a result of
+    the sweep, not an accident) is stored as ``{"overrides", "failed": "<its one line>"}`` and not trained again;
+    otherwise the error propagates and nothing is stored."""
     import tempfile
 
     key = config_key(overrides)
@@ -71,14 +77,20 @@ def stored_run(
     from flx.config import precheck
     from flx.run import train
 
-    with tempfile.TemporaryDirectory() as out:
-        final = train(precheck([*overrides, f"paths.output_dir={out}"]))
-        curves = json.loads((Path(out) / "curves.json").read_text())
-    record = {
-        "overrides": list(overrides),
-        "final": {k: float(v) for k, v in final.items()},
-        "curves": {k: v for k, v in curves.items() if keep is None or keep(k)},
-    }
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            final = train(precheck([*overrides, f"paths.output_dir={out}"]))
+            curves = json.loads((Path(out) / "curves.json").read_text())
+    except Exception as e:  # noqa: BLE001 - kept as the run's result when asked, re-raised otherwise
+        if not keep_failures:
+            raise
+        record: dict = {"overrides": list(overrides), "failed": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    else:
+        record = {
+            "overrides": list(overrides),
+            "final": {k: float(v) for k, v in final.items()},
+            "curves": {k: v for k, v in curves.items() if keep is None or keep(k)},
+        }
     store.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record))
