@@ -397,6 +397,13 @@ FAILING = {
     "LocalLayers": (["algo=fedper", "algo.local=[tail]"], "'tail' names no parameter or buffer of the net"),
     "FedRep": (["algo=fedrep", "algo.rep_epochs=11"], "algo.rep_epochs=11: must be an integer >= 1 and <= 10"),
     "FedBABU": (["algo=fedbabu", "algo.server.weight_decay=0.1"], "must be 0 with FedBABU"),
+    "FedDyn": (["algo=feddyn", "algo.aggregator=count_mean"], "FedDyn corrects the weighted mean"),
+    "FedALA": (["algo=fedala", "algo.layer_idx=9"], "algo.layer_idx=9: at most the net's 3 layers"),
+    "Moon": (["algo=moon", "model=linear"], "has no penultimate features"),
+    "FedNova": (
+        ["algo=fednova", "+algo.parts.late._target_=flx.parts.systems.random_work.RandomWork"],
+        "list the RandomWork part (random local work) before FedNova's",
+    ),
     "CentralDP": (
         ["privacy=central", "privacy.noise_multiplier=1.0", "algo.aggregator=count_mean"],
         "privacy=central noises the weighted mean",

@@ -70,7 +70,7 @@ def test_cpu_analogue_passes_every_check(cpu_run: tuple[subprocess.CompletedProc
     ("argv", "line"),
     [
         (["--sections", "a,z"], "gpu_check: error: --sections: unknown z; allowed: a, b, c, d, e, f"),
-        (["--algos", "fedavg,nope"], "gpu_check: error: --algos: unknown nope; allowed: afl, augfl, "),
+        (["--algos", "fedavg,nope"], "gpu_check: error: --algos: unknown nope; allowed: afl, apfl, augfl, "),
         (["--budget-s", "0"], "gpu_check: error: --budget-s: 0.0; allowed: > 0 seconds"),
     ],
 )

@@ -20,6 +20,7 @@ FedProx's stragglers that the FedAvg baseline drops are not dropped here: every 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,8 @@ class RandomWork(FederatedCallback):
     )
 
     def __init__(self, work: tuple[int, int] | list[int] | None = None) -> None:
-        span = None if work is None else tuple(work)
+        listed = isinstance(work, Sequence) and not isinstance(work, str)  # a list, tuple or Hydra's ListConfig
+        span = None if work is None else tuple(work) if listed else (work,)
         if span is not None and not _valid_range(span):
             raise bad_value("algo.random_work", work, "null or [lo, hi], integers with 1 <= lo <= hi")
         self.params = RandomWorkParams(work=span)  # type: ignore[arg-type]
